@@ -1,0 +1,286 @@
+"""The model configuration: one frozen, hashable dataclass for every supported family.
+
+Family differences are explicit fields (`qkv_bias`, `qk_norm`, `sliding_window`, `num_experts`,
+rope scaling), read from a Hugging Face `config.json` by `ModelConfig.from_hf`. The config is a
+static jit argument and the static metadata of `Params`, so it must stay hashable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+# model_type -> the family features transformers gives it. Anything else is refused by name.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_parameters` / older `rope_theta` + `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float | None = None  # yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and family switches of a decoder-only transformer (dimension letters in comments)."""
+
+    model_type: str
+    vocab_size: int  # V
+    hidden_size: int  # D
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    ffn_size: int  # F of a dense MLP
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias also sets o_bias
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over H of each q and k head, before RoPE
+    sliding_window: int | None = None  # a key is seen while q_pos - k_pos < sliding_window
+    sliding_layers: tuple[bool, ...] = ()  # per layer: does the window apply (empty: no layer)
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts == 0 means a dense model.
+    num_experts: int = 0  # E
+    experts_per_token: int = 0  # A
+    moe_ffn_size: int = 0  # F of one expert
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()  # per layer: sparse (True) or dense MLP
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}")
+        if self.rope.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.rope.rope_type!r}; supported: {ROPE_TYPES}")
+
+    @property
+    def q_per_kv(self) -> int:  # G
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def pad_id(self) -> int:
+        """The id written after a row has stopped: pad, else the first stop id, else 0."""
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers) and self.moe_layers[layer]
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict) -> "ModelConfig":
+        """Read a Hugging Face config.json (path, directory or parsed dict)."""
+        if not isinstance(source, dict):
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            try:
+                source = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ValueError(f"{path} not found: a Hugging Face checkpoint needs config.json") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return _from_hf_dict(source)
+
+
+def _from_hf_dict(c: dict) -> ModelConfig:
+    model_type = c.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = c.get("architectures")
+        raise ValueError(
+            f"unknown architecture: model_type {model_type!r} (architectures {archs}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        num_layers = int(c["num_hidden_layers"])
+        num_heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+    except KeyError as e:
+        raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
+    num_kv = int(c.get("num_key_value_heads") or num_heads)
+    head_dim = int(c.get("head_dim") or hidden // num_heads)
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r}: only silu is implemented")
+    if c.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+
+    # Sliding windows: Mistral slides on every layer when sliding_window is set; Qwen2/3 only with
+    # use_sliding_window, on the layers listed in layer_types (or from max_window_layers on).
+    window = c.get("sliding_window")
+    sliding_layers: tuple[bool, ...] = ()
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
+        window = None
+    if window is not None:
+        layer_types = c.get("layer_types")
+        if layer_types:
+            sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            first = int(c.get("max_window_layers", num_layers))
+            sliding_layers = tuple(i >= first for i in range(num_layers))
+        else:
+            sliding_layers = (True,) * num_layers
+        window = int(window)
+
+    num_experts, per_token, moe_ffn, moe_layers = 0, 0, 0, ()
+    if model_type == "mixtral":
+        num_experts = int(c["num_local_experts"])
+        per_token = int(c["num_experts_per_tok"])
+        moe_ffn = int(c["intermediate_size"])
+        moe_layers = (True,) * num_layers
+    elif model_type == "qwen3_moe":
+        num_experts = int(c["num_experts"])
+        per_token = int(c["num_experts_per_tok"])
+        moe_ffn = int(c["moe_intermediate_size"])
+        step = int(c.get("decoder_sparse_step", 1))
+        dense = set(c.get("mlp_only_layers") or ())
+        moe_layers = tuple(
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    attention_bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(c["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        ffn_size=int(c.get("intermediate_size", 0)),
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(c),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type in ("llama", "mistral") and attention_bias,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        num_experts=num_experts,
+        experts_per_token=per_token,
+        moe_ffn_size=moe_ffn,
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        moe_layers=moe_layers,
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=c.get("pad_token_id"),
+    )
+
+
+def _rope_from_hf(c: dict) -> RopeConfig:
+    """Reads transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
+    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    original = params.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+    if rope_type in ("llama3", "yarn") and original is None:
+        original = c.get("max_position_embeddings")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor") or 1.0),
+        partial_rotary_factor=float(partial),
+        original_max_position_embeddings=None if original is None else int(original),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        attention_factor=params.get("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [H_rot/2] (float32) and the cos/sin scale, as transformers computes them.
+
+    `seq_len` matters only for "dynamic" NTK scaling, which stretches the base once the sequence
+    outgrows max_position_embeddings; jaxllm evaluates it at the cache length.
+    """
+    r = config.rope
+    dim = int(config.head_dim * r.partial_rotary_factor)
+    # float32 throughout, like torch: angles built in lower precision collapse at long positions.
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    base = r.theta
+    scale = 1.0
+    if r.rope_type == "dynamic" and seq_len is not None and seq_len > config.max_position_embeddings:
+        base = base * ((r.factor * seq_len / config.max_position_embeddings) - (r.factor - 1)) ** (
+            dim / (dim - 2))
+    inv_freq = (1.0 / (np.float32(base) ** exponents)).astype(np.float32)
+    if r.rope_type == "linear":
+        inv_freq = inv_freq / np.float32(r.factor)
+    elif r.rope_type == "llama3":
+        old_len = r.original_max_position_embeddings
+        low_wavelen = old_len / r.low_freq_factor
+        high_wavelen = old_len / r.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+        smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif r.rope_type == "yarn":
+        inv_freq, scale = _yarn(r, dim, config.max_position_embeddings)
+    return inv_freq.astype(np.float32), float(scale)
+
+
+def _yarn(r: RopeConfig, dim: int, max_pos: int) -> tuple[np.ndarray, float]:
+    original = r.original_max_position_embeddings or max_pos
+    factor = r.factor
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if r.attention_factor is not None:
+        attention_factor = float(r.attention_factor)
+    elif r.mscale and r.mscale_all_dim:
+        attention_factor = get_mscale(factor, r.mscale) / get_mscale(factor, r.mscale_all_dim)
+    else:
+        attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    pos_freqs = np.float32(r.theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq.astype(np.float32), attention_factor

@@ -1,0 +1,187 @@
+"""Text generation: validate on the host, then prefill and the whole token loop on the device.
+
+`generate` pads the prompts on the left to a bucketed length, sizes the cache to a bucketed
+prompt + new-token count, and runs prefill and a `lax.while_loop` of decode steps in one jitted
+call: no host round trip per token, and prompts within one bucket reuse one compilation.
+`stream` yields token ids one at a time for interactive use (one host round trip per token).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.cache import KVCache, init_cache
+from jaxllm.model import check_tokens, jitted_step, step
+from jaxllm.params import Params
+from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
+
+MIN_BUCKET = 16
+STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile
+
+
+class GenerateOutput(NamedTuple):
+    tokens: jax.Array  # int32 [B, max_new_tokens]; the pad id after a row stops
+    lengths: jax.Array  # int32 [B]: new tokens per row, the stop token included
+
+
+def bucket(n: int) -> int:
+    """Powers of two from 16 to 1024, then multiples of 1024: few shapes, at most 2x padding."""
+    if n <= MIN_BUCKET:
+        return MIN_BUCKET
+    if n <= 1024:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 1024) * 1024
+
+
+def pad_prompts(params: Params, ids) -> tuple[np.ndarray, np.ndarray, int]:
+    """Left-pad a [B, T] array or a ragged list of prompts to a bucketed width.
+
+    Returns (tokens [B, Tb], start [B], longest prompt length). Validates every id.
+    """
+    cfg = params.config
+    if isinstance(ids, (list, tuple)) and (len(ids) == 0 or isinstance(ids[0], (list, tuple, np.ndarray))):
+        rows = [check_tokens(cfg, np.asarray(r, dtype=np.int64).reshape(-1)) if len(r) else
+                np.zeros((0,), np.int32) for r in ids]
+    else:
+        arr = np.asarray(ids)
+        if arr.ndim != 2:
+            raise ValueError(f"ids must be a [B, T] array or a list of token lists, got shape {arr.shape}")
+        rows = list(check_tokens(cfg, arr))
+    if not rows:
+        raise ValueError("ids holds no prompt (batch of 0)")
+    for b, r in enumerate(rows):
+        if len(r) == 0:
+            raise ValueError(f"prompt {b} is empty: generation needs at least one token")
+    longest = max(len(r) for r in rows)
+    width = bucket(longest)
+    tokens = np.full((len(rows), width), cfg.pad_id, np.int32)
+    start = np.zeros((len(rows),), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, width - len(r):] = r
+        start[b] = width - len(r)
+    return tokens, start, longest
+
+
+def _stop_array(stop_ids: Sequence[int]) -> jax.Array:
+    n = max(STOP_SLOTS, -(-len(stop_ids) // STOP_SLOTS) * STOP_SLOTS)
+    return jnp.asarray(list(stop_ids) + [-1] * (n - len(stop_ids)), jnp.int32)
+
+
+def _seen_from_prompt(tokens_BT, start_B, vocab: int):
+    """[B, V] bool: which ids occur in each row's prompt (padding excluded)."""
+    B, T = tokens_BT.shape
+    real_BT = jnp.arange(T)[None, :] >= start_B[:, None]
+    seen = jnp.zeros((B, vocab), bool)
+    return seen.at[jnp.arange(B)[:, None], tokens_BT].max(real_BT)
+
+
+def _choose(logits_BV, seen_BV, key, index, values, flags):
+    """Penalty, then sampling, with the key folded by the token's index (same in generate and stream)."""
+    greedy, use_top_k, use_top_p, use_min_p, use_penalty = flags
+    temperature, top_k, top_p, min_p, penalty = values
+    if use_penalty:
+        logits_BV = apply_repetition_penalty(logits_BV, seen_BV, penalty)
+    with jax.named_scope("sampling"):
+        return sample(logits_BV, jax.random.fold_in(key, index), temperature, top_k, top_p, min_p,
+                      greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
+
+
+@partial(jax.jit, static_argnames=("cache_length", "steps", "flags"))
+def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, values, *,
+                   cache_length: int, steps: int, flags):
+    cfg = params.config
+    B = tokens_BT.shape[0]
+    pad = jnp.int32(cfg.pad_id)
+    use_penalty = flags[4]
+    cache = init_cache(cfg, B, cache_length, params.dtype, start_B)
+    seen = _seen_from_prompt(tokens_BT, start_B, cfg.vocab_size) if use_penalty else jnp.zeros((B, 1), bool)
+    logits_BV, cache = step(params, tokens_BT, cache)
+    token_B = _choose(logits_BV, seen, key, 0, values, flags)
+    out_BN = jnp.full((B, steps), pad, jnp.int32).at[:, 0].set(token_B)
+    done_B = jnp.isin(token_B, stop_ids)
+    lengths_B = jnp.ones((B,), jnp.int32)
+    if use_penalty:
+        seen = seen.at[jnp.arange(B), token_B].set(True)
+
+    def cond(carry):
+        i, _, _, _, done_B, _, _ = carry
+        return (i < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, token_B, cache, out_BN, done_B, lengths_B, seen = carry
+        logits_BV, cache = step(params, token_B[:, None], cache)
+        new_B = jnp.where(done_B, pad, _choose(logits_BV, seen, key, i, values, flags))
+        out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (jnp.int32(0), i))
+        lengths_B = lengths_B + (~done_B).astype(jnp.int32)
+        if use_penalty:
+            seen = seen.at[jnp.arange(B), new_B].max(~done_B)
+        done_B = done_B | jnp.isin(new_B, stop_ids)
+        return i + 1, new_B, cache, out_BN, done_B, lengths_B, seen
+
+    carry = (jnp.int32(1), token_B, cache, out_BN, done_B, lengths_B, seen)
+    _, _, _, out_BN, _, lengths_B, _ = jax.lax.while_loop(cond, body, carry)
+    return out_BN, lengths_B
+
+
+def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig):
+    cfg = params.config
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
+    sampling.validate()
+    tokens, start, longest = pad_prompts(params, ids)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is {longest + max_new_tokens}, "
+            f"over the model's context of {cfg.max_position_embeddings} tokens")
+    steps = bucket(max_new_tokens)
+    return tokens, start, steps, tokens.shape[1] + steps
+
+
+def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             eos_token_ids: Sequence[int] | None = None, seed: int = 0) -> GenerateOutput:
+    """Generate up to max_new_tokens per row; greedy at temperature 0. See DESIGN.md for the contract."""
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
+    tokens, start, steps, cache_length = _plan(params, ids, max_new_tokens, sampling)
+    stops = params.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    out, lengths = _generate_core(
+        params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed), jnp.int32(max_new_tokens),
+        _stop_array(stops), sampling.values(), cache_length=cache_length, steps=steps,
+        flags=sampling.static())
+    return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)
+
+
+@partial(jax.jit, static_argnames=("flags",))
+def _choose_jit(logits_BV, seen_BV, key, index, values, flags):
+    return _choose(logits_BV, seen_BV, key, index, values, flags)
+
+
+def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+           eos_token_ids: Sequence[int] | None = None, seed: int = 0) -> Iterator[int]:
+    """Yield the new token ids of one prompt as they are produced, the stop token included."""
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
+    tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling)
+    stops = set(params.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    flags, values = sampling.static(), sampling.values()
+    key = jax.random.key(seed)
+    cache = init_cache(params.config, 1, cache_length, params.dtype, jnp.asarray(start))
+    tokens_dev = jnp.asarray(tokens)
+    seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \
+        jnp.zeros((1, 1), bool)
+    run = jitted_step()
+    logits_BV, cache = run(params, tokens_dev, cache)
+    for i in range(max_new_tokens):
+        token_B = _choose_jit(logits_BV, seen, key, i, values, flags)
+        token = int(token_B[0])
+        yield token
+        if token in stops or i + 1 == max_new_tokens:
+            return
+        if flags[4]:
+            seen = seen.at[0, token].set(True)
+        logits_BV, cache = run(params, token_B[:, None], cache)

@@ -1,0 +1,110 @@
+"""`jaxllm.load`: one entry point for HF directories, GGUF files and the embedded default model.
+
+GGUF weights are dequantized once and the result is cached on disk as safetensors (under
+`paths.cache_dir()`, keyed by the file's name, size and mtime), so the second start skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import hf, paths
+from jaxllm.config import ModelConfig
+from jaxllm.params import Params, from_hf_tensors
+
+CACHE_FORMAT = 1  # bump when the cached conversion changes
+
+
+def default_dtype():
+    """bfloat16 on accelerators; float32 on the CPU, where XLA's bf16 math is slow and inexact."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar on a terminal; a silent counter otherwise."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=desc, unit="param", unit_scale=True, leave=False)
+        return bar.update, bar.close
+    return None, lambda: None
+
+
+def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None) -> Params:
+    """Load a model: None (the default SmolLM2), an HF directory, or a .gguf file."""
+    if mesh is not None:
+        raise NotImplementedError("sharded loading (mesh=) is not implemented yet")
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    if path is None:
+        path = paths.default_model_path()
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    if path.is_file():
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face checkpoint directory")
+    cfg, reader = hf.read_checkpoint(path)
+    with reader:
+        return _convert(cfg, reader.get, reader.shapes, dtype, path.name)
+
+
+def _convert(cfg: ModelConfig, get, shapes, dtype, name: str) -> Params:
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    update, close = _progress(total, f"loading {name}")
+    try:
+        return from_hf_tensors(cfg, get, shapes, dtype=dtype, progress=update)
+    finally:
+        close()
+
+
+def _gguf_cache_path(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode())
+    return paths.cache_dir() / f"{path.stem}-{key.hexdigest()[:16]}"
+
+
+def _load_gguf(path: Path, dtype) -> Params:
+    from jaxllm.gguf import read_gguf
+    from jaxllm.tokenizer import load_tokenizer
+
+    cached = _gguf_cache_path(path)
+    if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+        cfg, reader = hf.read_checkpoint(cached)
+        with reader:
+            return _convert(cfg, reader.get, reader.shapes, dtype, path.name)
+    hf_config, tensors = read_gguf(path)
+    cfg = ModelConfig.from_hf(hf_config)
+    # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
+    stops = tuple(load_tokenizer(path).eos_token_ids)
+    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + stops)))
+    _write_cache(cached, hf_config, cfg, tensors)
+    get, shapes = hf.hf_state_dict_reader(tensors)
+    return _convert(cfg, get, shapes, dtype, path.name)
+
+
+def _write_cache(target: Path, hf_config: dict, cfg: ModelConfig, tensors: dict[str, np.ndarray]):
+    """Best effort: a read-only or full disk only costs the next start its dequantization."""
+    from safetensors.numpy import save_file
+
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": list(cfg.eos_token_ids)}))
+        os.replace(tmp, target)
+    except OSError as e:
+        print(f"jaxllm: could not cache converted weights in {target}: {e}", file=sys.stderr)
+    finally:
+        if tmp.exists():
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)

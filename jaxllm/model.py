@@ -1,0 +1,173 @@
+"""The model as pure functions: embed -> L blocks -> norm -> logits, with or without a KV cache.
+
+`forward` scores whole sequences (no cache kept). `prefill` and `decode_step` write new tokens
+into a `KVCache` at its shared cursor and return logits for the last position only. The public
+`prefill`/`decode_step` check their inputs on the host; `step` is the jitted pure function they
+call, for engines that keep their own bookkeeping.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import layers as L
+from jaxllm.cache import KVCache, init_cache
+from jaxllm.config import ModelConfig, rope_frequencies
+from jaxllm.params import Layer, Params
+
+
+def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cache, v_cache, cursor,
+                     mask_BTS, inv_freq, rope_scale):
+    """Self-attention of T new tokens over the cache; returns (out_BTD, k_cache, v_cache)."""
+    G = cfg.q_per_kv
+    qkv_BTKJH = jnp.einsum("BTD,DKJH->BTKJH", h_BTD, layer.wqkv)
+    if layer.bqkv is not None:
+        qkv_BTKJH = qkv_BTKJH + layer.bqkv
+    B, T, K, _, H = qkv_BTKJH.shape
+    q_BTNH = qkv_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
+    k_BTKH, v_BTKH = qkv_BTKJH[:, :, :, G], qkv_BTKJH[:, :, :, G + 1]
+    if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
+        q_BTNH = L.rms_norm(q_BTNH, layer.q_norm, cfg.rms_norm_eps)
+        k_BTKH = L.rms_norm(k_BTKH, layer.k_norm, cfg.rms_norm_eps)
+    q_BTNH = L.rope(q_BTNH, positions_BT, inv_freq, rope_scale)
+    k_BTKH = L.rope(k_BTKH, positions_BT, inv_freq, rope_scale)
+    zero = jnp.zeros((), jnp.int32)
+    k_cache = jax.lax.dynamic_update_slice(
+        k_cache, k_BTKH.transpose(0, 2, 1, 3).astype(k_cache.dtype), (zero, zero, cursor, zero))
+    v_cache = jax.lax.dynamic_update_slice(
+        v_cache, v_BTKH.transpose(0, 2, 1, 3).astype(v_cache.dtype), (zero, zero, cursor, zero))
+    out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS)
+    out_BTD = jnp.einsum("BTKGH,KGHD->BTD", out_BTKGH, layer.wo)
+    if layer.bo is not None:
+        out_BTD = out_BTD + layer.bo
+    return out_BTD, k_cache, v_cache
+
+
+def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD):
+    if cfg.is_moe(i):
+        return L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
+                     cfg.experts_per_token, cfg.norm_topk_prob)
+    return L.mlp(h_BTD, layer.w_gate_up, layer.w_down)
+
+
+def _hidden(params: Params, tokens_BT, cache: KVCache):
+    """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, new cache)."""
+    cfg = params.config
+    T = tokens_BT.shape[1]
+    inv_freq, rope_scale = rope_frequencies(cfg, cache.length)
+    inv_freq = jnp.asarray(inv_freq)
+    q_slots_T = cache.cursor + jnp.arange(T, dtype=jnp.int32)
+    # Left padding sits before start; its (unused) positions are clamped to 0.
+    positions_BT = jnp.maximum(q_slots_T[None, :] - cache.start[:, None], 0)
+    masks = {w: L.visible_mask(q_slots_T, cache.start, cache.length, w)
+             for w in {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}}
+    x_BTD = params.embed[tokens_BT]
+    new_k, new_v = [], []
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer_{i}"):
+            with jax.named_scope("attention"):
+                window = cfg.sliding_window if cfg.is_sliding(i) else None
+                h_BTD = L.rms_norm(x_BTD, layer.attn_norm, cfg.rms_norm_eps)
+                out_BTD, k, v = _attention_block(cfg, layer, h_BTD, positions_BT, cache.k[i], cache.v[i],
+                                                 cache.cursor, masks[window], inv_freq, rope_scale)
+                x_BTD = x_BTD + out_BTD
+            with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
+                x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm,
+                                                                      cfg.rms_norm_eps))
+        new_k.append(k)
+        new_v.append(v)
+    cache = cache.replace(k=new_k, v=new_v, cursor=cache.cursor + T)
+    return x_BTD, cache
+
+
+def logits(params: Params, x_BTD):
+    """Final norm and output projection; float32 logits [B, T, V]."""
+    with jax.named_scope("lm_head"):
+        x_BTD = L.rms_norm(x_BTD, params.final_norm, params.config.rms_norm_eps)
+        if params.lm_head is None:
+            return jnp.einsum("BTD,VD->BTV", x_BTD, params.embed, preferred_element_type=jnp.float32)
+        return jnp.einsum("BTD,DV->BTV", x_BTD, params.lm_head, preferred_element_type=jnp.float32)
+
+
+@jax.jit
+def _forward(params: Params, tokens_BT):
+    B, T = tokens_BT.shape
+    cache = init_cache(params.config, B, T, params.dtype)
+    x_BTD, _ = _hidden(params, tokens_BT, cache)
+    return logits(params, x_BTD)
+
+
+def step(params: Params, tokens_BT, cache: KVCache):
+    """Pure step: write T tokens at the cursor, return (last-position logits [B, V], cache).
+
+    Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary.
+    """
+    with jax.named_scope("prefill" if tokens_BT.shape[1] > 1 else "decode"):
+        x_BTD, cache = _hidden(params, tokens_BT, cache)
+        return logits(params, x_BTD[:, -1:])[:, 0], cache
+
+
+def _donate_cache() -> tuple[int, ...]:
+    # CPU cannot donate buffers (and warns each call); on GPU donation makes the update in place.
+    return () if jax.default_backend() == "cpu" else (2,)
+
+
+_step_jit = {}
+
+
+def jitted_step():
+    """`step` under jit with the cache donated where the backend supports it."""
+    backend = jax.default_backend()
+    if backend not in _step_jit:
+        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache())
+    return _step_jit[backend]
+
+
+def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
+    """Host-side validation of token ids: int, 2-D, inside [0, V)."""
+    arr = np.asarray(tokens)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise ValueError(f"token id {bad} out of range: the vocabulary has {config.vocab_size} ids "
+                         f"(0..{config.vocab_size - 1})")
+    return arr.astype(np.int32)
+
+
+def forward(params: Params, tokens_BT) -> jax.Array:
+    """Logits [B, T, V] (float32) of whole sequences, no cache kept (scoring, tests)."""
+    tokens = check_tokens(params.config, tokens_BT)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be a non-empty [B, T] array, got shape {tokens.shape}")
+    if tokens.shape[1] > params.config.max_position_embeddings:
+        raise ValueError(f"{tokens.shape[1]} tokens exceed the model's context of "
+                         f"{params.config.max_position_embeddings}")
+    return _forward(params, jnp.asarray(tokens))
+
+
+def _check_room(cache: KVCache, new: int):
+    cursor = int(cache.cursor)
+    if cursor + new > cache.length:
+        raise ValueError(f"cache full: writing {new} token(s) at slot {cursor} needs "
+                         f"{cursor + new} slots, the cache has {cache.length}")
+
+
+def prefill(params: Params, tokens_BT, cache: KVCache):
+    """Write a [B, T] block of prompt tokens (left-padded to cache.start); logits [B, V] of the last."""
+    tokens = check_tokens(params.config, tokens_BT)
+    if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != cache.batch:
+        raise ValueError(f"prefill needs [B={cache.batch}, T>0] tokens, got shape {tokens.shape}")
+    _check_room(cache, tokens.shape[1])
+    return jitted_step()(params, jnp.asarray(tokens), cache)
+
+
+def decode_step(params: Params, tokens_B, cache: KVCache):
+    """Write one token per row at the cursor; returns (logits [B, V], cache). The cache is donated."""
+    tokens = check_tokens(params.config, tokens_B)
+    if tokens.shape != (cache.batch,):
+        raise ValueError(f"decode_step needs [B={cache.batch}] tokens, got shape {tokens.shape}")
+    _check_room(cache, 1)
+    return jitted_step()(params, jnp.asarray(tokens)[:, None], cache)

@@ -1,0 +1,241 @@
+"""Parameter pytrees and the one table that declares every parameter.
+
+`layer_specs` / `top_specs` declare each parameter once: its shape, logical axes (for sharding),
+how it is initialised, and which Hugging Face tensors it is converted from. Random init,
+abstract shapes, shardings and checkpoint conversion are all derived from that table.
+
+Layout, converted once at load time so the decode step needs no transposes:
+  wqkv [D, K, G+2, H]: per KV head, its G query heads, then its key head, then its value head,
+                       so a tensor-parallel split over K is one contiguous slice of whole groups.
+  wo   [K, G, H, D],  w_gate_up [D, 2, F],  w_down [F, D],  lm_head [D, V] (absent when tied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxllm.config import ModelConfig
+
+
+@struct.dataclass
+class Layer:
+    """One decoder block. Fields a family lacks are None."""
+
+    attn_norm: jax.Array  # [D]
+    wqkv: jax.Array  # [D, K, G+2, H]
+    wo: jax.Array  # [K, G, H, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array | None = None  # [D, 2, F] dense MLP
+    w_down: jax.Array | None = None  # [F, D]
+    bqkv: jax.Array | None = None  # [K, G+2, H] (Qwen2, Llama attention_bias)
+    bo: jax.Array | None = None  # [D]
+    q_norm: jax.Array | None = None  # [H] (Qwen3)
+    k_norm: jax.Array | None = None  # [H]
+    router: jax.Array | None = None  # [D, E] (MoE)
+    experts_gate_up: jax.Array | None = None  # [E, D, 2, F]
+    experts_down: jax.Array | None = None  # [E, F, D]
+
+
+@struct.dataclass
+class Params:
+    """All weights of a model; `config` rides along as static metadata."""
+
+    embed: jax.Array  # [V, D]
+    layers: list[Layer]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V]; None when tied to embed
+    config: ModelConfig = struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: shape, logical axes, init, and its source tensors in a HF checkpoint."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names: "vocab", "heads_kv", "ffn", "experts"
+    init: str  # "normal" | "ones" | "zeros"
+    hf: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of each source tensor
+    convert: Callable[..., np.ndarray]  # source arrays (in hf order) -> our layout
+
+
+def _qkv(cfg: ModelConfig):
+    K, G, H, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.hidden_size
+
+    def convert(q, k, v):  # q [N*H, ...], k/v [K*H, ...]; trailing D for weights, none for biases
+        tail = q.shape[1:]
+        grouped = np.concatenate([q.reshape(K, G, H, *tail), k.reshape(K, 1, H, *tail),
+                                  v.reshape(K, 1, H, *tail)], axis=1)  # [K, G+2, H, ...]
+        return np.moveaxis(grouped, 3, 0) if tail else grouped  # weights: D to the front
+    return K, G, H, D, convert
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
+    """The parameters of layer i (MoE layers and family switches change the set)."""
+    K, G, H, D, convert_qkv = _qkv(cfg)
+    N, F, E = cfg.num_heads, cfg.ffn_size, cfg.num_experts
+    p = f"model.layers.{i}."
+    ident = lambda x: x  # noqa: E731
+    specs = {
+        "attn_norm": ParamSpec((D,), (None,), "ones", ((p + "input_layernorm.weight", (D,)),), ident),
+        "wqkv": ParamSpec(
+            (D, K, G + 2, H), (None, "heads_kv", None, None), "normal",
+            ((p + "self_attn.q_proj.weight", (N * H, D)), (p + "self_attn.k_proj.weight", (K * H, D)),
+             (p + "self_attn.v_proj.weight", (K * H, D))), convert_qkv),
+        "wo": ParamSpec((K, G, H, D), ("heads_kv", None, None, None), "normal",
+                        ((p + "self_attn.o_proj.weight", (D, N * H)),),
+                        lambda w: w.T.reshape(K, G, H, D)),
+        "mlp_norm": ParamSpec((D,), (None,), "ones",
+                              ((p + "post_attention_layernorm.weight", (D,)),), ident),
+    }
+    if cfg.qkv_bias:
+        specs["bqkv"] = ParamSpec(
+            (K, G + 2, H), ("heads_kv", None, None), "zeros",
+            ((p + "self_attn.q_proj.bias", (N * H,)), (p + "self_attn.k_proj.bias", (K * H,)),
+             (p + "self_attn.v_proj.bias", (K * H,))), convert_qkv)
+    if cfg.o_bias:
+        specs["bo"] = ParamSpec((D,), (None,), "zeros", ((p + "self_attn.o_proj.bias", (D,)),), ident)
+    if cfg.qk_norm:
+        specs["q_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.q_norm.weight", (H,)),), ident)
+        specs["k_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.k_norm.weight", (H,)),), ident)
+    if cfg.is_moe(i):
+        specs.update(moe_specs(cfg, i))
+    else:
+        specs["w_gate_up"] = ParamSpec(
+            (D, 2, F), (None, None, "ffn"), "normal",
+            ((p + "mlp.gate_proj.weight", (F, D)), (p + "mlp.up_proj.weight", (F, D))),
+            lambda g, u: np.stack([g.T, u.T], axis=1))
+        specs["w_down"] = ParamSpec((F, D), ("ffn", None), "normal",
+                                    ((p + "mlp.down_proj.weight", (D, F)),), lambda w: w.T)
+    return specs
+
+
+def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
+    """Router and stacked experts of a sparse layer, from per-expert HF tensors."""
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size
+    p = f"model.layers.{i}."
+    if cfg.model_type == "mixtral":
+        router = p + "block_sparse_moe.gate.weight"
+        gate, up, down = (p + f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2"))
+    else:
+        router = p + "mlp.gate.weight"
+        gate, up, down = (p + f"mlp.experts.{{e}}.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj"))
+    gate_up_sources = tuple((n.format(e=e), (F, D)) for e in range(E) for n in (gate, up))
+    return {
+        "router": ParamSpec((D, E), (None, None), "normal", ((router, (E, D)),), lambda w: w.T),
+        "experts_gate_up": ParamSpec(
+            (E, D, 2, F), ("experts", None, None, "ffn"), "normal", gate_up_sources,
+            lambda *ws: np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(ws[::2], ws[1::2])])),
+        "experts_down": ParamSpec(
+            (E, F, D), ("experts", "ffn", None), "normal",
+            tuple((down.format(e=e), (D, F)) for e in range(E)),
+            lambda *ws: np.stack([w.T for w in ws])),
+    }
+
+
+def top_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    V, D = cfg.vocab_size, cfg.hidden_size
+    specs = {
+        "embed": ParamSpec((V, D), ("vocab", None), "normal", (("model.embed_tokens.weight", (V, D)),),
+                           lambda w: w),
+        "final_norm": ParamSpec((D,), (None,), "ones", (("model.norm.weight", (D,)),), lambda w: w),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), (None, "vocab"), "normal", (("lm_head.weight", (V, D)),),
+                                     lambda w: w.T)
+    return specs
+
+
+def _assemble(cfg: ModelConfig, make: Callable[[str, ParamSpec], Any]) -> Params:
+    """Build a Params by calling make(path, spec) for every declared parameter."""
+    layers = [Layer(**{name: make(f"layers.{i}.{name}", s) for name, s in layer_specs(cfg, i).items()})
+              for i in range(cfg.num_layers)]
+    top = {name: make(name, s) for name, s in top_specs(cfg).items()}
+    return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"],
+                  lm_head=top.get("lm_head"), config=cfg)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
+    """Random weights of the config's shapes (benchmarks, tests): normal(0, scale) matrices."""
+    counter = iter(range(1 << 30))
+
+    def make(path, s: ParamSpec):
+        if s.init == "ones":
+            return jnp.ones(s.shape, dtype)
+        if s.init == "zeros":
+            return jnp.zeros(s.shape, dtype)
+        return (scale * jax.random.normal(jax.random.fold_in(key, next(counter)), s.shape,
+                                          jnp.float32)).astype(dtype)
+    return _assemble(cfg, make)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
+    """ShapeDtypeStructs of every parameter, without allocating (memory planning, eval_shape)."""
+    return _assemble(cfg, lambda path, s: jax.ShapeDtypeStruct(s.shape, dtype))
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """The same pytree with each leaf replaced by its tuple of logical axis names."""
+    return _assemble(cfg, lambda path, s: _Axes(s.axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """A leaf wrapper so tuples of axis names are not flattened as pytrees."""
+
+    names: tuple[str | None, ...]
+
+
+def param_count(params: Params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def param_bytes(params: Params) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+
+
+def from_hf_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray], shapes: dict[str, tuple],
+                    dtype=jnp.float32, place: Callable[[str, np.ndarray], Any] | None = None,
+                    progress: Callable[[int], None] | None = None) -> Params:
+    """Convert HF-named tensors into Params, checking the set of names and every shape first.
+
+    `get(name)` returns a numpy array; `shapes` maps every tensor the checkpoint holds to its shape; `place`
+    (default: jnp.asarray) puts one converted parameter on its device(s). A missing, unexpected
+    or misshapen tensor is a ValueError naming it, raised before any conversion work.
+    """
+    all_specs = [(f"layers.{i}.{n}", s) for i in range(cfg.num_layers)
+                 for n, s in layer_specs(cfg, i).items()] + list(top_specs(cfg).items())
+    expected = {name: shape for _, s in all_specs for name, shape in s.hf}
+    # Checkpoints often carry the rotary inv_freq buffer; it is derived from the config instead.
+    present = {n for n in shapes if not n.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints still store a copy
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): "
+                         f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(shapes[name])}, expected {shape} "
+                             f"from the config")
+    place = place or (lambda path, x: jnp.asarray(x, dtype))
+
+    def make(path, s: ParamSpec):
+        out = place(path, s.convert(*(get(name) for name, _ in s.hf)))
+        if progress:
+            progress(sum(int(np.prod(shape)) for _, shape in s.hf))
+        return out
+    return _assemble(cfg, make)

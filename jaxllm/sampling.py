@@ -1,0 +1,91 @@
+"""Choosing the next token from logits: greedy, or temperature with top-k / top-p / min-p filters.
+
+The order and the meaning of each filter follow transformers' logits processors: repetition
+penalty, then temperature, top-k, top-p, min-p. Filter values are traced scalars (changing them
+does not recompile); which filters are active is static, so greedy decoding never sorts.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingConfig(NamedTuple):
+    """Host-side sampling settings; `static()` picks the compiled variant, `values()` the scalars."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def validate(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be a whole number >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        return self
+
+    def static(self) -> tuple[bool, bool, bool, bool, bool]:
+        """(greedy, top_k on, top_p on, min_p on, penalty on)."""
+        return (self.temperature == 0, self.top_k > 0, self.top_p < 1, self.min_p > 0,
+                self.repetition_penalty != 1)
+
+    def values(self):
+        return (jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p),
+                jnp.float32(self.min_p), jnp.float32(self.repetition_penalty))
+
+
+def apply_repetition_penalty(logits_BV, seen_BV, penalty):
+    """transformers' semantics: positive logits of seen tokens are divided, negative multiplied."""
+    penalized = jnp.where(logits_BV < 0, logits_BV * penalty, logits_BV / penalty)
+    return jnp.where(seen_BV, penalized, logits_BV)
+
+
+def filter_logits(logits_BV, top_k, top_p, min_p, use_top_k: bool, use_top_p: bool, use_min_p: bool):
+    """Set logits outside the top-k / top-p / min-p sets to -inf (at least one token always stays)."""
+    neg_inf = jnp.float32(-jnp.inf)
+    if use_top_k or use_top_p:
+        sorted_BV = jnp.sort(logits_BV, axis=-1, descending=True)
+        if use_top_k:
+            # Like transformers: everything tied with the k-th largest value stays.
+            kth_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(top_k - 1, 0)[None, None], axis=-1)
+            logits_BV = jnp.where(logits_BV < kth_B1, neg_inf, logits_BV)
+            sorted_BV = jnp.where(sorted_BV < kth_B1, neg_inf, sorted_BV)
+        if use_top_p:
+            # Keep the smallest prefix of the descending order whose mass reaches top_p: a token
+            # stays while the mass strictly above it is below top_p.
+            probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+            mass_above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+            kept_BV = mass_above_BV < top_p
+            kept_BV = kept_BV.at[:, 0].set(True)
+            threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+            logits_BV = jnp.where(logits_BV < threshold_B1, neg_inf, logits_BV)
+    if use_min_p:
+        probs_BV = jax.nn.softmax(logits_BV, axis=-1)
+        floor_B1 = min_p * jnp.max(probs_BV, axis=-1, keepdims=True)
+        logits_BV = jnp.where(probs_BV < floor_B1, neg_inf, logits_BV)
+    return logits_BV
+
+
+def sample(logits_BV, key, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, *,
+           greedy: bool | None = None, use_top_k: bool | None = None, use_top_p: bool | None = None,
+           use_min_p: bool | None = None):
+    """Next token ids [B] from float32 logits [B, V]. Static flags default from concrete values."""
+    greedy = (temperature == 0) if greedy is None else greedy
+    if greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    use_top_k = (top_k > 0) if use_top_k is None else use_top_k
+    use_top_p = (top_p < 1) if use_top_p is None else use_top_p
+    use_min_p = (min_p > 0) if use_min_p is None else use_min_p
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    logits_BV = filter_logits(logits_BV, jnp.asarray(top_k, jnp.int32), top_p, min_p,
+                              use_top_k, use_top_p, use_min_p)
+    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
