@@ -1,0 +1,465 @@
+"""Reading GGUF files: a bounds-checked parser, llama.cpp metadata -> Hugging Face config, and
+dequantized weights under their Hugging Face names.
+
+What this module owns:
+- `read_gguf_header(path)`: the metadata and the tensor table, validated against the file size, so
+  a truncated or corrupt file is a `ValueError` naming the file before any tensor is touched.
+- `read_gguf(path)`: `(hf_config, tensors)` — a dict with the keys a `config.json` of the same model
+  would have, and float32 numpy arrays keyed by the names a Hugging Face checkpoint uses
+  (`model.layers.{i}.self_attn.q_proj.weight`, [out, in]). The layout quirks llama.cpp's converter
+  introduces (the Q/K row permutation of llama files, llama3 RoPE scaling baked into a tensor)
+  are undone here, so everything downstream sees a plain HF checkpoint.
+- `gguf_tokenizer_info(path_or_header)`: the tokenizer metadata, for `jaxllm.tokenizer`.
+
+The parser is our own rather than `gguf.GGUFReader`: it is ~20x faster on a 100k-string vocabulary
+and turns every malformed-file case into a `ValueError` instead of a struct/numpy traceback.
+The quantized blocks are unpacked by `gguf.quants.dequantize`. Nothing here unpickles.
+Reference: transformers' `modeling_gguf_pytorch_utils.py` and `integrations/ggml.py`, which this
+matches tensor for tensor (tests/test_gguf.py).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)  # v1 counted with 32-bit integers; llama.cpp dropped it in 2023
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# GGUF metadata value types -> (struct format, width); 8 is a string and 9 an array.
+_SCALARS = {
+    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+}
+_NUMPY_SCALARS = {
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+    10: "<u8", 11: "<i8", 12: "<f8",
+}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file. `shape` is numpy order: ggml lists dims fastest first."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table, validated; tensor data is not read."""
+
+    path: Path
+    version: int
+    metadata: dict
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+
+class _Reader:
+    """Little-endian reads from a byte buffer; running off the end is a `ValueError` naming the file."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, problem: str) -> ValueError:
+        return ValueError(f"{self.path}: not a valid GGUF file: {problem}")
+
+    def need(self, nbytes: int, what: str) -> None:
+        if nbytes < 0 or self.pos + nbytes > self.size:
+            raise self.fail(f"truncated while reading {what} at byte {self.pos} "
+                            f"(needs {nbytes} bytes, the file has {self.size})")
+
+    def scalar(self, vtype: int, what: str):
+        fmt, width = _SCALARS[vtype]
+        self.need(width, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += width
+        return value
+
+    def string(self, what: str) -> str:
+        length = self.scalar(10, what)
+        self.need(length, what)
+        raw = self.buf[self.pos:self.pos + length]
+        self.pos += length
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not UTF-8 ({e})") from None
+
+    def value(self, vtype: int, what: str):
+        if vtype in _SCALARS:
+            return self.scalar(vtype, what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown value type {vtype}")
+        etype = self.scalar(4, what)
+        count = self.scalar(10, what)
+        if etype in _NUMPY_SCALARS:
+            width = _SCALARS[etype][1]
+            self.need(count * width, what)
+            values = np.frombuffer(self.buf, _NUMPY_SCALARS[etype], count, self.pos)
+            self.pos += count * width
+            return (values.astype(bool) if etype == 7 else values).tolist()
+        # Each string or array element takes at least 8 bytes: a count this large cannot fit, and
+        # checking first keeps a corrupt count from becoming a long loop.
+        self.need(count * 8, what)
+        return [self.value(etype, what) for _ in range(count)]
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Parse and validate the metadata and tensor table of a GGUF file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            raise ValueError(f"{path}: not a valid GGUF file: only "
+                             f"{os.fstat(f.fileno()).st_size} bytes, shorter than a GGUF header")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(_Reader(buf, path))
+    finally:
+        buf.close()
+
+
+def _parse(r: _Reader) -> GGUFHeader:
+    buf, path = r.buf, r.path
+    if buf[:4] != _MAGIC:
+        raise r.fail(f"it starts with {bytes(buf[:4])!r}, not the magic {_MAGIC!r}")
+    r.pos = 4
+    version = r.scalar(4, "the version")
+    if version not in _VERSIONS:
+        hint = " (a big-endian file?)" if version >= 1 << 16 else ""
+        raise r.fail(f"GGUF version {version}{hint}; jaxllm reads versions {_VERSIONS}")
+    n_tensors = r.scalar(10, "the tensor count")
+    n_kv = r.scalar(10, "the metadata count")
+    # The smallest metadata entry takes 13 bytes and the smallest tensor entry 24: reject counts
+    # the file cannot hold before looping over them.
+    r.need(n_kv * 13 + n_tensors * 24, "the metadata and tensor table")
+
+    metadata = {}
+    for i in range(n_kv):
+        key = r.string(f"metadata key #{i}")
+        if key in metadata:
+            raise r.fail(f"metadata key {key!r} appears twice")
+        metadata[key] = r.value(r.scalar(4, f"the type of {key!r}"), f"metadata {key!r}")
+    if not isinstance(metadata.get("general.architecture"), str):
+        raise r.fail("it has no general.architecture")
+
+    entries = []
+    for i in range(n_tensors):
+        name = r.string(f"the name of tensor #{i}")
+        n_dims = r.scalar(4, f"the rank of tensor {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise r.fail(f"tensor {name!r} has {n_dims} dimensions")
+        dims = [r.scalar(10, f"the shape of tensor {name!r}") for _ in range(n_dims)]
+        ggml_type = r.scalar(4, f"the type of tensor {name!r}")
+        offset = r.scalar(10, f"the offset of tensor {name!r}")
+        entries.append((name, dims, ggml_type, offset))
+
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise r.fail(f"general.alignment is {alignment!r}, not a power of two")
+    data_start = -(-r.pos // alignment) * alignment
+
+    tensors = {}
+    for name, dims, ggml_type, offset in entries:
+        if name in tensors:
+            raise r.fail(f"tensor {name!r} appears twice")
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise r.fail(f"tensor {name!r} has unknown ggml type {ggml_type}") from None
+        if dims[0] % block:
+            raise r.fail(f"tensor {name!r} has rows of {dims[0]} values, not a multiple of "
+                         f"the {qtype.name} block of {block}")
+        nbytes = math.prod(dims[1:]) * (dims[0] // block) * block_bytes
+        start = data_start + offset
+        if start + nbytes > r.size:
+            raise r.fail(f"truncated: tensor {name!r} needs bytes {start}..{start + nbytes}, "
+                         f"the file has {r.size}")
+        tensors[name] = TensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
+    return GGUFHeader(path, version, metadata, tensors)
+
+
+def _header(path_or_header) -> GGUFHeader:
+    return path_or_header if isinstance(path_or_header, GGUFHeader) else read_gguf_header(path_or_header)
+
+
+def gguf_tokenizer_info(path_or_header) -> dict:
+    """The tokenizer metadata: every `tokenizer.*` key with that prefix dropped
+    (`ggml.tokens`, `ggml.merges`, `ggml.token_type`, `ggml.bos_token_id`, `chat_template`, ...)."""
+    header = _header(path_or_header)
+    info = {k[len("tokenizer."):]: v for k, v in header.metadata.items() if k.startswith("tokenizer.")}
+    if "ggml.tokens" not in info:
+        raise ValueError(f"{header.path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    return info
+
+
+# --- architectures ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Arch:
+    model_type: str
+    architectures: tuple[str, ...]
+    # llama.cpp permutes Q/K rows for archs whose converter derives from LlamaModel
+    permute_qk: bool
+    # where head_dim comes from, first present wins (else hidden_size // num_attention_heads);
+    # llama follows transformers' mapping (rope.dimension_count)
+    head_dim_keys: tuple[str, ...]
+
+
+_ARCHS = {
+    "llama": _Arch("llama", ("LlamaForCausalLM",), True,
+                   ("rope.dimension_count", "attention.key_length")),
+    "qwen2": _Arch("qwen2", ("Qwen2ForCausalLM",), False, ("attention.key_length",)),
+    "qwen3": _Arch("qwen3", ("Qwen3ForCausalLM",), False, ("attention.key_length",)),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
+
+# GGUF `{arch}.<key>` -> config.json key (transformers' GGUF_CONFIG_MAPPING for these archs)
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+_REQUIRED = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+
+# per-layer GGUF leaf -> HF suffix under model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, one factor per frequency (config, not a weight)
+
+
+def _arch(header: GGUFHeader) -> _Arch:
+    arch = header.architecture
+    if arch not in _ARCHS:
+        raise ValueError(f"{header.path}: GGUF architecture {arch!r} is not supported by jaxllm "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return _ARCHS[arch]
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES \
+            and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def gguf_to_hf_config(path_or_header) -> dict:
+    """The `config.json` dict of the model in a GGUF file, keyed and valued as transformers maps it."""
+    header = _header(path_or_header)
+    arch, meta, prefix = _arch(header), header.metadata, header.architecture + "."
+    missing = [prefix + k for k in _REQUIRED if prefix + k not in meta]
+    if missing:
+        raise ValueError(f"{header.path}: GGUF metadata lacks {', '.join(missing)}")
+    config = {"model_type": arch.model_type, "architectures": list(arch.architectures),
+              "hidden_act": "silu"}
+    for key, hf_key in _CONFIG_KEYS.items():
+        if prefix + key in meta:
+            config[hf_key] = meta[prefix + key]
+    for key, hf_key in _CONFIG_KEYS.items():
+        value = config.get(hf_key)
+        if value is not None and not isinstance(value, (int, float)):
+            # e.g. a per-layer head count list (hybrid models): not an architecture we run
+            raise ValueError(f"{header.path}: GGUF metadata {prefix + key} is {type(value).__name__}, "
+                             f"expected a number")
+    # llama.cpp's defaults when a key is absent
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config.setdefault("rope_theta", 10000.0)
+    config.setdefault("max_position_embeddings", 2048)
+    if "vocab_size" not in config:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"{header.path}: GGUF metadata states no vocab size and has no tokens")
+        config["vocab_size"] = len(tokens)
+    config["head_dim"] = next(
+        (meta[prefix + k] for k in arch.head_dim_keys if prefix + k in meta),
+        config["hidden_size"] // config["num_attention_heads"])
+    config["tie_word_embeddings"] = "output.weight" not in header.tensors
+    config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        gguf_key = "tokenizer.ggml." + key.replace("pad_", "padding_")
+        if gguf_key in meta:
+            config[key] = meta[gguf_key]
+    rope_scaling = _rope_scaling(header, config)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(header: GGUFHeader, config: dict) -> dict | None:
+    """`rope_scaling` from `{arch}.rope.scaling.*` metadata, or from llama3's `rope_freqs` tensor."""
+    meta, prefix = header.metadata, header.architecture + ".rope.scaling."
+    kind = meta.get(prefix + "type")
+    if _ROPE_FREQS in header.tensors:
+        return _llama3_rope_scaling(header, config)
+    if kind in (None, "none"):
+        return None
+    factor = meta.get(prefix + "factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        if prefix + "original_context_length" in meta:
+            scaling["original_max_position_embeddings"] = meta[prefix + "original_context_length"]
+        return scaling
+    raise ValueError(f"{header.path}: RoPE scaling type {kind!r} is not supported")
+
+
+def _llama3_rope_scaling(header: GGUFHeader, config: dict) -> dict:
+    """Recover HF's llama3 `rope_scaling` from the per-frequency factors llama.cpp stores instead.
+
+    llama.cpp divides each frequency f_i by factor_i: 1 for short wavelengths, `factor` for long
+    ones, and 1 / ((1 - s) / factor + s) in between, with s = (L f_i / 2pi - lo) / (hi - lo) for
+    L = original_max_position_embeddings, lo/hi = low/high_freq_factor. The result depends only on
+    `factor`, L / (hi - lo) and lo / (hi - lo), so fixing lo = 1 (llama 3.x's value) recovers an
+    exactly equivalent config from two in-between frequencies. The fit is checked against every
+    stored factor.
+    """
+    info = header.tensors[_ROPE_FREQS]
+    factors_H2 = _dequantize(header, info).astype(np.float64).reshape(-1)
+    half = factors_H2.size
+    freqs_H2 = config["rope_theta"] ** (-np.arange(half, dtype=np.float64) * 2 / (2 * half))
+    factor = float(factors_H2.max())
+    if factor <= 1.0:
+        raise ValueError(f"{header.path}: {_ROPE_FREQS} holds no scaling (max factor {factor})")
+    # s_i from factor_i, for frequencies strictly between the two plateaus
+    smooth_H2 = (1 / factors_H2 - 1 / factor) / (1 - 1 / factor)
+    between = (smooth_H2 > 1e-4) & (smooth_H2 < 1 - 1e-4)
+    if between.sum() < 2:
+        raise ValueError(f"{header.path}: cannot recover llama3 RoPE scaling from {_ROPE_FREQS}: "
+                         f"fewer than two frequencies between the plateaus")
+    slope, intercept = np.polyfit(freqs_H2[between], smooth_H2[between], 1)
+    span = -1.0 / intercept  # hi - lo, with lo = 1
+    original = slope * 2 * math.pi * span
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": 1.0 + span, "original_max_position_embeddings": original}
+    if not np.allclose(_llama3_factors(freqs_H2, scaling), factors_H2, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"{header.path}: {_ROPE_FREQS} does not follow llama3 RoPE scaling")
+    # original_max_position_embeddings is an integer in every llama3 config
+    if abs(original - round(original)) < 1e-3 * original:
+        scaling["original_max_position_embeddings"] = int(round(original))
+    return scaling
+
+
+def _llama3_factors(freqs, scaling: dict) -> np.ndarray:
+    """llama.cpp's per-frequency divisors for a llama3 `rope_scaling` (convert_hf_to_gguf.py)."""
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (original / wavelen - lo) / (hi - lo)
+    return np.where(wavelen < original / hi, 1.0,
+                    np.where(wavelen > original / lo, factor, 1 / ((1 - smooth) / factor + smooth)))
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+def _dequantize(header: GGUFHeader, info: TensorInfo) -> np.ndarray:
+    """One tensor as float32 in numpy order, copied out of the memory map."""
+    qtype = GGMLQuantizationType(info.ggml_type)
+    with open(header.path, "rb") as f:
+        raw = np.fromfile(f, np.uint8, info.nbytes, offset=info.offset)
+    if raw.size != info.nbytes:
+        raise ValueError(f"{header.path}: truncated: tensor {info.name!r} is cut short")
+    rows = math.prod(info.shape[:-1])
+    try:
+        values = dequantize(raw.reshape(rows, info.nbytes // rows), qtype)
+    except NotImplementedError:
+        raise ValueError(f"{header.path}: tensor {info.name!r} is stored as {qtype.name}, "
+                         f"which the gguf package cannot dequantize") from None
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape)
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows [N*H, ...] or a bias [N*H]).
+
+    HF rotates halves (rotate_half: dims i and i + H/2 form a pair); llama.cpp's rope rotates
+    adjacent dims (2i, 2i+1), so its converter reorders each head's rows from [2, H/2] to [H/2, 2].
+    This is the inverse, as in transformers' LlamaTensorProcessor."""
+    head_dim = w.shape[0] // n_heads
+    return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """`(hf_config, tensors)` of a GGUF file (default: the default model), tensors float32 with HF
+    names and layouts; `lm_head.weight` only when the file has its own output matrix."""
+    if path is None:
+        from jaxllm.paths import default_model_path
+        path = default_model_path()
+    header = read_gguf_header(path)
+    config = gguf_to_hf_config(header)
+    arch = _arch(header)
+    names = {}
+    for gguf_name in header.tensors:
+        if gguf_name == _ROPE_FREQS:
+            continue  # folded into config["rope_scaling"]
+        hf_name = _hf_name(gguf_name)
+        if hf_name is None:
+            raise ValueError(f"{header.path}: unexpected tensor {gguf_name!r} for GGUF architecture "
+                             f"{header.architecture!r} (a variant jaxllm does not support)")
+        names[gguf_name] = hf_name
+    layers = config["num_hidden_layers"]
+    for gguf_name, hf_name in names.items():
+        if hf_name.startswith("model.layers.") and int(hf_name.split(".")[2]) >= layers:
+            raise ValueError(f"{header.path}: tensor {gguf_name!r} is beyond block_count={layers}")
+
+    def load(gguf_name: str) -> np.ndarray:
+        w = _dequantize(header, header.tensors[gguf_name])
+        if arch.permute_qk and ".attn_q." in gguf_name:
+            w = _unpermute_rows(w, config["num_attention_heads"])
+        elif arch.permute_qk and ".attn_k." in gguf_name:
+            w = _unpermute_rows(w, config["num_key_value_heads"])
+        return w
+
+    # numpy releases the GIL in the dequantize arithmetic, so threads overlap the big tensors
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        arrays = dict(zip(names.values(), pool.map(load, names)))
+    return config, arrays

@@ -1,0 +1,327 @@
+"""GGUF loading against transformers (the oracle) and against the weights a file was written from.
+
+transformers' `from_pretrained(..., gguf_file=...)` needs `accelerate`, which the project does not
+install; for llama/qwen2/qwen3 it hands the file to `load_gguf_checkpoint`, which we call directly
+with the same model skeleton, so the tensors compared are the ones `from_pretrained` would load.
+"""
+
+import math
+import pickle
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from jaxllm.gguf import read_gguf, read_gguf_header
+from jaxllm.paths import default_model_path
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def transformers_gguf(path):
+    """(config, {name: float32 array}) as transformers loads the GGUF file at `path`."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # only the parameter names are needed to map GGUF names, so no weights are allocated
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model,
+                                  torch_dtype=torch.float32)
+    tensors = {k: v.numpy() for k, v in loaded["tensors"].items()}
+    return config, tensors, set(model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def default_ours():
+    return read_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def default_theirs():
+    return transformers_gguf(default_model_path())
+
+
+def test_default_model_tensors_match_transformers(default_ours, default_theirs):
+    _, ours = default_ours
+    _, theirs, state_names = default_theirs
+    # tied embeddings: transformers' state dict lists lm_head.weight as an alias; the file has none
+    assert set(ours) == state_names - {"lm_head.weight"}
+    assert set(ours) == set(theirs)
+    for name, ref in theirs.items():
+        assert ours[name].dtype == np.float32, name
+        assert ours[name].shape == ref.shape, name
+        np.testing.assert_allclose(ours[name], ref, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_default_model_config_matches_transformers(default_ours, default_theirs):
+    config, _ = default_ours
+    theirs, _, _ = default_theirs
+    assert config["rope_theta"] == theirs.rope_parameters["rope_theta"]
+    for key, value in config.items():
+        if key in ("rope_theta", "architectures", "attention_bias", "hidden_act"):
+            continue
+        assert getattr(theirs, key) == value, key
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert not config["attention_bias"] and not theirs.attention_bias
+    assert "rope_scaling" not in config
+    # the shape DESIGN.md documents for the default model
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["intermediate_size"],
+            config["vocab_size"], config["tie_word_embeddings"]) == (30, 576, 9, 3, 64, 1536, 49152, True)
+
+
+# --- tiny files written from known weights ---------------------------------------------------
+
+_GGUF_LEAF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def llama_cpp_permute(w, n_heads):
+    """convert_hf_to_gguf.py's LlamaModel.permute, written independently of jaxllm."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not tied:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
+                   p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
+                   p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                   p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
+                   p + "post_attention_layernorm.weight": (D,)}
+        if bias:
+            shapes |= {p + "self_attn.q_proj.bias": (N * H,), p + "self_attn.k_proj.bias": (K * H,),
+                       p + "self_attn.v_proj.bias": (K * H,)}
+        if qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)}
+    return {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+
+def gguf_name(hf_name):
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    parts = hf_name.split(".")
+    return f"blk.{parts[2]}.{_GGUF_LEAF['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def write_tiny(path, arch, *, D=256, N=2, K=1, H=128, F=96, L=2, V=64, bias=False, qk_norm=False,
+               tied=True, quant=None, rope_freqs=None, rope_theta=10000.0, extra_tensors=()):
+    """Write a tiny GGUF the way llama.cpp's converter would; return the HF weights it holds.
+
+    H is 128 because transformers' Qwen3 GGUF mapping ignores the head size and uses Qwen3's default.
+    """
+    hf = hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny {arch}")
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(N)
+    w.add_head_count_kv(K)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(rope_theta)
+    if arch == "llama":
+        w.add_rope_dimension_count(H)
+    else:
+        w.add_key_length(H)
+        w.add_value_length(H)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<|endoftext|>"] + [f"t{i}" for i in range(V - 1)])
+    w.add_token_types([3] + [1] * (V - 1))
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    for name, t in hf.items():
+        g = gguf_name(name)
+        if arch == "llama" and ".attn_q." in g:
+            t = llama_cpp_permute(t, N)
+        elif arch == "llama" and ".attn_k." in g:
+            t = llama_cpp_permute(t, K)
+        if quant is not None and t.ndim == 2:
+            w.add_tensor(g, gguf.quants.quantize(t, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(g, t)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    for name, t in extra_tensors:
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+TINY = {
+    "llama-untied": ("llama", dict(tied=False)),
+    "llama-q8_0": ("llama", dict(quant=Q8_0)),
+    "qwen2-bias": ("qwen2", dict(bias=True)),
+    "qwen3-qknorm": ("qwen3", dict(qk_norm=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(TINY))
+def test_tiny_families_match_transformers(tmp_path, case):
+    arch, kwargs = TINY[case]
+    path = tmp_path / "tiny.gguf"
+    original = write_tiny(path, arch, **kwargs)
+    config, ours = read_gguf(path)
+    theirs_config, theirs, state_names = transformers_gguf(path)
+    assert set(ours) == set(theirs) == state_names - ({"lm_head.weight"} if config["tie_word_embeddings"] else set())
+    for name, ref in theirs.items():
+        np.testing.assert_allclose(ours[name], ref, rtol=0, atol=1e-6, err_msg=name)
+    if kwargs.get("quant") is None:
+        # float32 files round-trip exactly: the Q/K permutation is undone, nothing else changes
+        for name, ref in original.items():
+            np.testing.assert_array_equal(ours[name], ref, err_msg=name)
+    assert config["model_type"] == theirs_config.model_type == arch
+    assert config["tie_word_embeddings"] == theirs_config.tie_word_embeddings == kwargs.get("tied", True)
+    # Qwen2's config derives the head size instead of storing it
+    theirs_head_dim = getattr(theirs_config, "head_dim", None) or theirs_config.hidden_size // theirs_config.num_attention_heads
+    assert config["head_dim"] == theirs_head_dim == 128
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
+        assert config[key] == getattr(theirs_config, key), key
+
+
+def test_llama_qk_bias_is_unpermuted(tmp_path):
+    # transformers' llama config has no attention_bias from GGUF and drops these; llama.cpp keeps them
+    path = tmp_path / "bias.gguf"
+    original = write_tiny(path, "llama", bias=True)
+    config, ours = read_gguf(path)
+    assert config["attention_bias"] is True
+    for name in ("model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias"):
+        np.testing.assert_array_equal(ours[name], original[name])
+        assert not np.array_equal(llama_cpp_permute(original[name], 1), original[name])
+
+
+def llama3_factors(H, theta, factor, low, high, original):
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs, for Llama 3.1-style rope_scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = tmp_path / "llama3.gguf"
+    factors = llama3_factors(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+    write_tiny(path, "llama", rope_freqs=factors, rope_theta=500000.0)
+    config, ours = read_gguf(path)
+    assert "rope_freqs.weight" not in ours
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert config["rope_scaling"]["factor"] == pytest.approx(8.0)
+    assert config["rope_scaling"]["original_max_position_embeddings"] == 8192
+    # what matters: transformers' llama3 RoPE under our config gives llama.cpp's frequencies
+    hf = LlamaConfig(**{k: v for k, v in config.items() if k not in ("rope_scaling", "rope_theta")},
+                     rope_parameters={"rope_theta": config["rope_theta"], **config["rope_scaling"]})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    expected = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128) / factors
+    np.testing.assert_allclose(inv_freq.numpy(), expected, rtol=1e-5)
+
+
+# --- malformed files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [1 << 20, 10 << 20])
+def test_truncated_default_model(tmp_path, size):
+    path = tmp_path / f"cut{size}.gguf"
+    path.write_bytes(default_model_path().read_bytes()[:size])
+    with pytest.raises(ValueError, match="truncated") as e:
+        read_gguf(path)
+    assert str(path) in str(e.value)
+
+
+def test_random_bytes(tmp_path):
+    path = tmp_path / "noise.gguf"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ValueError, match="magic") as e:
+        read_gguf(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_bytes_after_a_valid_magic(tmp_path, seed):
+    # version 3, then noise: counts and lengths are garbage and must be caught, not looped over
+    path = tmp_path / "noise.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", 3) + np.random.default_rng(seed).bytes(1 << 16))
+    with pytest.raises(ValueError) as e:
+        read_gguf(path)
+    assert str(path) in str(e.value)
+
+
+def test_huge_metadata_count(tmp_path):
+    path = tmp_path / "huge.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1 << 60) + bytes(64))
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf_header(path)
+
+
+def test_empty_and_missing_file(tmp_path):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.gguf"):
+        read_gguf(tmp_path / "empty.gguf")
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        read_gguf(tmp_path / "absent.gguf")
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "fancy.gguf"
+    w = gguf.GGUFWriter(path, "fancyarch")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="fancyarch"):
+        read_gguf(path)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    # e.g. a Mixtral-style file (llama architecture with experts): fail loudly, never drop weights
+    path = tmp_path / "moe.gguf"
+    write_tiny(path, "llama", extra_tensors=[("blk.0.ffn_gate_exps.weight", np.zeros((2, 96, 256), np.float32))])
+    with pytest.raises(ValueError, match="blk.0.ffn_gate_exps.weight"):
+        read_gguf(path)
+
+
+def test_loading_never_unpickles(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickling during GGUF load")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(np, "load", refuse)
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, "qwen3", qk_norm=True)
+    config, tensors = read_gguf(path)
+    assert config["model_type"] == "qwen3" and len(tensors) == 2 + 2 * 11
