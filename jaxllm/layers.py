@@ -57,8 +57,113 @@ def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS):
     return jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH)
 
 
-def mlp(x_BTD, w_gate_up_DJF, w_down_FD):
+def mlp(x_BTD, w_gate_up_JFD, w_down_DF):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one fused matrix (J = 2)."""
-    gate_up_BTJF = jnp.einsum("BTD,DJF->BTJF", x_BTD, w_gate_up_DJF)
+    gate_up_BTJF = jnp.einsum("BTD,JFD->BTJF", x_BTD, w_gate_up_JFD)
     hidden_BTF = jax.nn.silu(gate_up_BTJF[:, :, 0]) * gate_up_BTJF[:, :, 1]
-    return jnp.einsum("BTF,FD->BTD", hidden_BTF, w_down_FD)
+    return jnp.einsum("BTF,DF->BTD", hidden_BTF, w_down_DF)
+
+
+# Mixture of experts. Two more letters for routed tokens: M = B*T tokens in one row, and
+# R = M*A (token, expert) assignments. Inside shard_map over an expert axis, E is the per-device
+# expert count while the router still scores all experts.
+
+# The path choice, made statically from shapes: "gather" while the step routes at most this many
+# assignments per expert (M*A <= GATHER_ROWS_PER_EXPERT * E), else "ragged".
+GATHER_ROWS_PER_EXPERT = 0.5
+
+
+def route(x_MD, router_DE, experts_per_token: int, norm_topk_prob: bool):
+    """The top-A experts of each token and their float32 weights, as transformers routes:
+    logits in the model dtype (its linear layer), softmax in float32, top-A of the probabilities,
+    renormalized to sum 1 when norm_topk_prob (Mixtral always is).
+
+    Exactly equal probabilities go to the lower expert id (lax.top_k is stable). torch.topk leaves
+    that order unspecified: on the CPU it is an artifact of std::nth_element; CUDA and vLLM's fused
+    kernels pick the lower id. Ties are real in bf16 checkpoints, whose router logits often collide.
+    Returns (experts_MA int32, weights_MA float32).
+    """
+    logits_ME = jnp.einsum("MD,DE->ME", x_MD, router_DE)
+    probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
+    weights_MA, experts_MA = jax.lax.top_k(probs_ME, experts_per_token)
+    if norm_topk_prob:
+        weights_MA = weights_MA / jnp.sum(weights_MA, axis=-1, keepdims=True)
+    return experts_MA.astype(jnp.int32), weights_MA
+
+
+def moe_path(tokens: int, experts_per_token: int, num_experts: int) -> str:
+    """"gather" or "ragged" for a step of `tokens` tokens over `num_experts` (local) experts.
+
+    Gather reads one expert's weights per assignment, M*A matrices with repeats, and needs no
+    sort: the decode path, where a batch-1 step reads A of E experts. Grouping reads each chosen
+    expert once but pays a sort, two row permutations and per-group tile padding in the grouped
+    matmul, so it wins once assignments outnumber the experts they could share: prefill, big batches.
+    Mixtral (E 8, A 2) gathers up to 2 tokens a step, Qwen3-30B-A3B (E 128, A 8) up to 8.
+    """
+    if tokens * experts_per_token <= GATHER_ROWS_PER_EXPERT * num_experts:
+        return "gather"
+    return "ragged"
+
+
+def _experts_gather(x_MD, experts_MA, gate_up_EDJF, down_EFD):
+    """SwiGLU of each token through each of its experts, the experts' weights gathered: [M, A, D]."""
+    gate_up_MADJF = gate_up_EDJF[experts_MA]
+    gate_up_MAJF = jnp.einsum("MD,MADJF->MAJF", x_MD, gate_up_MADJF)
+    hidden_MAF = jax.nn.silu(gate_up_MAJF[:, :, 0]) * gate_up_MAJF[:, :, 1]
+    return jnp.einsum("MAF,MAFD->MAD", hidden_MAF, down_EFD[experts_MA])
+
+
+def _experts_ragged(x_MD, experts_MA, gate_up_EDJF, down_EFD):
+    """The same [M, A, D], with the assignments sorted by expert and each expert's rows one group of
+    a grouped matmul (`lax.ragged_dot`). An id of E (not a local expert) sorts after every group;
+    those rows are outside all groups and come back as zeros or garbage, for the caller to mask."""
+    M, A = experts_MA.shape
+    E, D, J, F = gate_up_EDJF.shape
+    experts_R = experts_MA.reshape(M * A)
+    order_R = jnp.argsort(experts_R, stable=True)
+    group_sizes_E = jnp.bincount(experts_R, length=E + 1)[:E].astype(jnp.int32)
+    x_RD = x_MD[order_R // A]
+    gate_up_RJF = jax.lax.ragged_dot(x_RD, gate_up_EDJF.reshape(E, D, J * F),
+                                     group_sizes_E).reshape(M * A, J, F)
+    hidden_RF = jax.nn.silu(gate_up_RJF[:, 0]) * gate_up_RJF[:, 1]
+    out_RD = jax.lax.ragged_dot(hidden_RF, down_EFD, group_sizes_E)
+    # Back to (token, slot) order by a gather through the inverse permutation (no scatter-add).
+    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(M * A, dtype=order_R.dtype))
+    return out_RD[inverse_R].reshape(M, A, D)
+
+
+def moe(x_BTD, router_DE, experts_gate_up_EDJF, experts_down_EFD, experts_per_token: int,
+        norm_topk_prob: bool, *, path: str | None = None, expert_axis: str | None = None):
+    """Sparse SwiGLU mixture of experts: each token through its top-A experts, weighted.
+
+    Only chosen experts are computed (see `moe_path`; `path` forces "gather" or "ragged"). The
+    A expert outputs are weighted and summed in float32 and cast back once (transformers adds
+    them one by one in the model dtype). With `expert_axis`, this runs inside shard_map with the
+    experts split over that mesh axis (E per device, the router [D, E_total] replicated): each
+    device routes all tokens, computes the assignments to its own experts and psums the result
+    over the axis. If F is split as well (tensor parallel), the caller psums over that axis.
+    """
+    B, T, D = x_BTD.shape
+    E = experts_gate_up_EDJF.shape[0]
+    x_MD = x_BTD.reshape(B * T, D)
+    experts_MA, weights_MA = route(x_MD, router_DE, experts_per_token, norm_topk_prob)
+    local_MA = None
+    if expert_axis is not None:
+        experts_MA = experts_MA - jax.lax.axis_index(expert_axis) * E
+        local_MA = (experts_MA >= 0) & (experts_MA < E)
+    path = path or moe_path(B * T, experts_per_token, E)
+    if path == "gather":
+        ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, 0)
+        out_MAD = _experts_gather(x_MD, ids_MA, experts_gate_up_EDJF, experts_down_EFD)
+    elif path == "ragged":
+        ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, E)
+        out_MAD = _experts_ragged(x_MD, ids_MA, experts_gate_up_EDJF, experts_down_EFD)
+    else:
+        raise ValueError(f"unknown MoE path {path!r}: 'gather' or 'ragged'")
+    out_MAD = out_MAD.astype(jnp.float32)
+    if local_MA is not None:  # other devices' assignments: select, not multiply (garbage may be inf)
+        out_MAD = jnp.where(local_MA[:, :, None], out_MAD, 0.0)
+    out_MD = jnp.einsum("MAD,MA->MD", out_MAD, weights_MA)
+    if expert_axis is not None:
+        out_MD = jax.lax.psum(out_MD, expert_axis)
+    return out_MD.astype(x_BTD.dtype).reshape(B, T, D)
