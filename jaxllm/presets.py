@@ -1,0 +1,147 @@
+"""Model shapes of real checkpoints, usable with random weights (benchmarks, roofline, eval_shape).
+
+Each preset is the `ModelConfig` that `ModelConfig.from_hf` builds from the checkpoint's
+config.json, written out so no download is needed. `random_params` fills such a config with random
+weights directly on the device, one bounded piece at a time, so an 8B model is never staged
+through the host and the device never holds more than the weights plus one piece in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.params import Params, abstract_params
+
+# Llama 3.1 / 3.2 RoPE: the "llama3" frequency scaling of an 8192-token original context.
+_LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                           high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA32_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                           high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Test-sized: every dimension distinct enough that a swapped axis shows up as a shape error.
+    "tiny": ModelConfig(
+        model_type="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, ffn_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), bos_token_id=1, eos_token_ids=(2,)),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (the default model's shape).
+    "smollm2-135m": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, ffn_size=1536, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=100000.0), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    # Qwen/Qwen3-0.6B: explicit head_dim 128 (N*H = 2048 > D = 1024), per-head q/k norms.
+    "qwen3-0.6b": ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
+        num_kv_heads=8, head_dim=128, ffn_size=3072, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1000000.0), tie_word_embeddings=True, qk_norm=True,
+        bos_token_id=151643, eos_token_ids=(151645,)),
+    # meta-llama/Llama-3.2-1B.
+    "llama3.2-1b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
+        num_kv_heads=8, head_dim=64, ffn_size=8192, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope=_LLAMA32_ROPE, tie_word_embeddings=True, bos_token_id=128000, eos_token_ids=(128001,)),
+    # meta-llama/Llama-3.1-8B (Llama-3-8B's shapes with the 3.1 rope scaling and 128k context).
+    "llama3-8b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, ffn_size=14336, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope=_LLAMA31_ROPE, bos_token_id=128000, eos_token_ids=(128001,)),
+    # mistralai/Mistral-7B-v0.3: v0.1's 4096-token sliding window is gone, the vocabulary is 32768.
+    "mistral-7b": ModelConfig(
+        model_type="mistral", vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, ffn_size=14336, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=1000000.0), bos_token_id=1, eos_token_ids=(2,)),
+    # meta-llama/Llama-3.1-70B (for tensor parallelism: 141 GB of bf16 weights).
+    "llama3-70b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, ffn_size=28672, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope=_LLAMA31_ROPE, bos_token_id=128000, eos_token_ids=(128001,)),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token, no sliding window.
+    "mixtral-8x7b": ModelConfig(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, ffn_size=14336, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=1000000.0), num_experts=8, experts_per_token=2, moe_ffn_size=14336,
+        norm_topk_prob=True, moe_layers=(True,) * 32, bos_token_id=1, eos_token_ids=(2,)),
+    # Qwen/Qwen3-30B-A3B: 128 experts of F 768, 8 per token, on every layer.
+    "qwen3-30b-a3b": ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, ffn_size=6144, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1000000.0), qk_norm=True, num_experts=128, experts_per_token=8,
+        moe_ffn_size=768, norm_topk_prob=True, moe_layers=(True,) * 48,
+        bos_token_id=151643, eos_token_ids=(151645,)),
+}
+
+
+def get_config(name_or_path: str) -> ModelConfig:
+    """A preset by name, else the config.json of a Hugging Face checkpoint directory."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir() or path.name == "config.json":
+        return ModelConfig.from_hf(path)
+    raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a Hugging Face "
+                     f"checkpoint directory with config.json")
+
+
+# Elements drawn per piece: 2**26 float32 values are 256 MiB of scratch on top of the weights.
+PIECE_ELEMENTS = 1 << 26
+
+
+@partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, scale, *, shape, dtype):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _fill_rows(buf, key, row, scale):
+    """Write normal(0, scale) rows into buf at `row` (axis 0); rows beyond the end are clamped."""
+    piece = _normal(key, scale, shape=(min(buf.shape[0], _rows_per_piece(buf.shape)),) + buf.shape[1:],
+                    dtype=buf.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf, piece, row, 0)
+
+
+def _rows_per_piece(shape) -> int:
+    return max(1, PIECE_ELEMENTS // max(1, math.prod(shape[1:])))
+
+
+_fill_jit = {}
+
+
+def _filler():
+    # Donating the buffer makes each piece an in-place write; the CPU cannot donate (and warns).
+    backend = jax.default_backend()
+    if backend not in _fill_jit:
+        _fill_jit[backend] = jax.jit(_fill_rows, donate_argnums=() if backend == "cpu" else (0,))
+    return _fill_jit[backend]
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
+    """Random weights of the config's shapes, made on the default device in bounded pieces.
+
+    Vectors (norm weights, output biases) are ones; every other tensor is normal(0, scale), so no
+    timing runs on zeros. Unlike `init_params` (which draws each tensor whole in float32), the
+    transient memory is at most one piece, so peak-memory readings after it reflect the model.
+    """
+    dtype = jnp.dtype(dtype)
+    key = jax.random.key(seed)
+    leaves, treedef = jax.tree.flatten(abstract_params(cfg, dtype))
+    out = []
+    for i, leaf in enumerate(leaves):
+        shape, leaf_key = tuple(leaf.shape), jax.random.fold_in(key, i)
+        if len(shape) == 1:
+            out.append(jnp.ones(shape, dtype))
+            continue
+        rows = _rows_per_piece(shape)
+        if rows >= shape[0]:
+            out.append(_normal(leaf_key, scale, shape=shape, dtype=dtype))
+            continue
+        buf = jnp.zeros(shape, dtype)
+        for piece, row in enumerate(range(0, shape[0], rows)):
+            # The last piece starts early enough to fit (dynamic_update_slice clamps): it overlaps.
+            buf = _filler()(buf, jax.random.fold_in(leaf_key, piece), jnp.int32(row), scale)
+        out.append(buf)
+    return jax.tree.unflatten(treedef, out)
