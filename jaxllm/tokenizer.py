@@ -1,0 +1,559 @@
+"""Tokenizers: text <-> token ids, chat templates, stop ids and streaming detokenization.
+
+What this module owns:
+- `load_tokenizer(path)`: a `Tokenizer` from a GGUF file (vocabulary, merges and special tokens
+  in its metadata, rebuilt into a `tokenizers.Tokenizer` exactly as transformers' GGUF conversion
+  does) or from a Hugging Face directory (`tokenizer.json` + `tokenizer_config.json`, plus
+  `chat_template.jinja` and `generation_config.json` when present).
+- `Tokenizer.apply_chat_template`: the model's own Jinja template, rendered the way transformers
+  renders it but always in jinja2's `ImmutableSandboxedEnvironment`: a template that comes with a
+  downloaded checkpoint is untrusted code.
+- `Tokenizer.eos_token_ids`: every id that ends a turn (eos, the generation config's ids, and the
+  chat template's end-of-turn token), so generation stops where the model's authors meant.
+- `Tokenizer.stream()`: incremental detokenization that never emits half a UTF-8 character.
+
+transformers is only the test oracle; nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Tokens that end a turn in the chat formats in use; one counts as a stop token when the model's
+# template writes it (llama.cpp keeps a similar list for its end-of-generation set).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<|return|>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>", "</s>",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Specials:
+    """The named special tokens (strings, as the chat template sees them) and the add-BOS/EOS flags."""
+
+    bos: str | None = None
+    eos: str | None = None
+    unk: str | None = None
+    pad: str | None = None
+    extra: tuple[str, ...] = ()
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what generation needs around it: special ids, the chat
+    template and the stop ids."""
+
+    def __init__(self, backend: BackendTokenizer, *, specials: _Specials, chat_template: str | None,
+                 extra_eos_ids: Iterable[int] = (), name: str = "tokenizer"):
+        self.backend = backend
+        self.name = name
+        self.chat_template = chat_template
+        self._specials = specials
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)  # every id encode can produce
+        self.bos_token_id = self.token_to_id(specials.bos)
+        self.pad_token_id = self.token_to_id(specials.pad)
+        self.unk_token_id = self.token_to_id(specials.unk)
+        self.eos_token_id = self.token_to_id(specials.eos)
+        eos = [self.eos_token_id, *extra_eos_ids]
+        if chat_template:
+            eos += [self.token_to_id(t) for t in END_OF_TURN_TOKENS if t in chat_template]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, "
+                f"eos_token_ids={self.eos_token_ids}, chat_template={self.chat_template is not None})")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._specials.bos
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._specials.eos
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) become their ids.
+        `add_special_tokens` adds what the tokenizer's post-processor adds (BOS, for most llamas)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}")
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
+        return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self, skip_special_tokens: bool = False) -> "TextStream":
+        """An incremental detokenizer: `.push(id)` returns the text that is now complete."""
+        return TextStream(self, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[Mapping], add_generation_prompt: bool = True,
+                            *, tools: list[dict] | None = None, chat_template: str | None = None,
+                            **template_kwargs) -> str:
+        """The conversation rendered by the model's chat template, as transformers'
+        `apply_chat_template(..., tokenize=False)` renders it. Extra keyword arguments reach the
+        template (e.g. `enable_thinking=False` for Qwen3)."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(f"{self.name} has no chat template; pass chat_template= or encode raw text")
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        specials = {"bos_token": self._specials.bos, "eos_token": self._specials.eos,
+                    "unk_token": self._specials.unk, "pad_token": self._specials.pad}
+        context = {k: v for k, v in specials.items() if v is not None} | template_kwargs
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, **context)
+
+
+class TextStream:
+    """Turns token ids into text one id at a time, emitting only complete characters.
+
+    Each push decodes a short window: the ids already emitted since the previous emission (for
+    context: byte-level pieces and SentencePiece's leading-space rule depend on their neighbours)
+    plus the new ones; the text beyond the window's known prefix is new. While it ends in U+FFFD
+    the last token ended inside a UTF-8 character, so it is held back until the rest arrives.
+    The pieces joined equal `decode(all ids)` (same scheme as text-generation-inference's).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: the ids of the last emission, kept as context
+        self._read = 0  # ids before this are emitted
+
+    def _new_text(self) -> str:
+        decode = self._tok.decode
+        prefix_text = decode(self._ids[self._prefix:self._read], self._skip)
+        text = decode(self._ids[self._prefix:], self._skip)
+        return text[len(prefix_text):]
+
+    def push(self, token_id: int) -> str:
+        self._ids.extend(self._tok._check_ids([token_id]))
+        piece = self._new_text()
+        if not piece or piece.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the very end decodes to U+FFFD)."""
+        piece = self._new_text()
+        self._prefix = self._read = len(self._ids)
+        return piece
+
+
+# --- chat templates ----------------------------------------------------------------------------
+
+class ChatTemplateError(ValueError):
+    """The chat template failed, refused the conversation, or tried something the sandbox forbids."""
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """transformers fills `reasoning_content` and `thinking` from any of the names a message's
+    reasoning comes under, since templates read one or the other."""
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        if message.get(key) is not None:
+            return {"thinking": message[key], **message, "reasoning_content": message[key]}
+    return message
+
+
+def _plain(value):
+    """Template inputs rebuilt from plain JSON types: rich objects carry methods the sandbox does not
+    know to be dangerous (as transformers' `_plain_template_data`)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return _plain(value.item())
+    return f"<{type(value).__name__}>"
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it
+        renders its body unchanged (templates that use it must still parse)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which chat formats do not want
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    class TemplateDict:
+        """`dict(...)` for templates without exposing the `dict` type itself."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """`namespace()` that refuses underscore attributes, the road to CPython internals."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot set underscore attributes on a namespace ({name!r})")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not parse: {e} (line {e.lineno})") from None
+
+
+def render_chat_template(template: str, messages: list[Mapping], *, add_generation_prompt: bool = True,
+                         tools: list[dict] | None = None, documents: list[dict] | None = None,
+                         **context) -> str:
+    """Render a chat template in jinja2's immutable sandbox, with transformers' globals and inputs."""
+    import jinja2
+
+    chat = []
+    for message in _plain(list(messages)):
+        if not isinstance(message, dict):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not None
+        chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
+    compiled = _compile(template)
+    try:
+        return compiled.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                               add_generation_prompt=add_generation_prompt, **_plain(context))
+    except jinja2.exceptions.SecurityError as e:
+        raise ChatTemplateError(f"the chat template tried an operation the sandbox forbids: {e}") from None
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"the chat template failed: {e}") from None
+
+
+# --- building from a GGUF file -----------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE spells every token with these)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+# GGUF `tokenizer.ggml.pre` -> the split regex its merges were learned with (transformers'
+# GGUF_PRE_TOKENIZER_SPLITS); other names keep GPT-2's own ByteLevel regex.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                     "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> BackendTokenizer:
+    """GPT-2 style byte-level BPE (`tokenizer.ggml.model == "gpt2"`)."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # llama.cpp writes a few tokens in plain UTF-8 rather than the byte alphabet; respell them
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                                   dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
+    best-scoring token first (transformers' `generate_merges`)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in dict(zip(tokens, scores)).items():
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores) -> BackendTokenizer:
+    """SentencePiece BPE with byte fallback (`tokenizer.ggml.model == "llama"`), as transformers'
+    LlamaTokenizer builds it: `▁` for spaces, one prepended to the first word only."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    elif scores is not None:
+        pairs = _sentencepiece_merges(tokens, scores)
+    else:
+        raise ValueError("a SentencePiece GGUF vocabulary needs merges or scores")
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                   dropout=None))
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                     split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    return backend
+
+
+def _template_processing(specials: _Specials, add_bos: bool, add_eos: bool,
+                         backend: BackendTokenizer) -> processors.TemplateProcessing:
+    """BOS/EOS around `encode(..., add_special_tokens=True)`, as transformers' update_post_processor."""
+    add_bos, add_eos = add_bos and specials.bos is not None, add_eos and specials.eos is not None
+    single = f"{specials.bos + ':0 ' if add_bos else ''}$A:0{' ' + specials.eos + ':0' if add_eos else ''}"
+    pair = (f"{single}{' ' + specials.bos + ':1' if add_bos else ''} $B:1"
+            f"{' ' + specials.eos + ':1' if add_eos else ''}")
+    special_tokens = ([(specials.bos, backend.token_to_id(specials.bos))] if add_bos else []) + \
+                     ([(specials.eos, backend.token_to_id(specials.eos))] if add_eos else [])
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)
+
+
+def _add_named_specials(backend: BackendTokenizer, specials: _Specials) -> None:
+    """Named special tokens are matched whole in text and skipped by `skip_special_tokens`
+    (transformers' `_post_init`)."""
+    named = [specials.bos, specials.eos, specials.unk, specials.pad, *specials.extra]
+    tokens = [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named) if t is not None]
+    if tokens:
+        backend.add_special_tokens(tokens)
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    from jaxllm.gguf import gguf_tokenizer_info
+
+    info = gguf_tokenizer_info(path)
+    tokens = info["ggml.tokens"]
+    types = info.get("ggml.token_type") or []
+    model = info.get("ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported "
+                         f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
+    try:
+        if model == "gpt2":
+            backend = _byte_level_bpe(tokens, info.get("ggml.merges") or [])
+        else:
+            backend = _sentencepiece_bpe(tokens, info.get("ggml.merges"), info.get("ggml.scores"))
+    except Exception as e:  # tokenizers raises plain Exceptions on bad vocabularies/merges
+        raise ValueError(f"{path}: the GGUF tokenizer metadata is invalid: {e}") from None
+
+    # Control tokens (<|im_start|>) are special: matched whole, skipped on request. In a byte-level
+    # vocabulary a "control" token outside the byte alphabet is a llama.cpp mislabel and is skipped.
+    alphabet = set(_bytes_to_unicode().values()) if model == "gpt2" else None
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
+               if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)]
+    if control:
+        backend.add_special_tokens(control)
+    # User-defined tokens (<think>) are matched whole too, but are ordinary text
+    vocab = backend.get_vocab(with_added_tokens=True)
+    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
+            if kind == _USER_DEFINED and t in vocab]
+    if user:
+        backend.add_tokens(user)
+    split = PRE_TOKENIZER_SPLITS.get(info.get("ggml.pre"))
+    if split is not None and model == "gpt2":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+    def token(key):
+        token_id = info.get(f"ggml.{key}")
+        if token_id is None:
+            return None
+        if not 0 <= token_id < len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary")
+        return tokens[token_id]
+
+    specials = _Specials(bos=token("bos_token_id"), eos=token("eos_token_id"),
+                         unk=token("unknown_token_id"), pad=token("padding_token_id"))
+    _add_named_specials(backend, specials)
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+    add_bos = info.get("ggml.add_bos_token", model == "llama")
+    backend.post_processor = _template_processing(specials, add_bos, info.get("ggml.add_eos_token", False),
+                                                  backend)
+    extra_eos = [info[k] for k in ("ggml.eot_token_id", "ggml.eom_token_id") if k in info]
+    return Tokenizer(backend, specials=specials, chat_template=info.get("chat_template"),
+                     extra_eos_ids=extra_eos, name=str(path))
+
+
+# --- building from a Hugging Face directory ----------------------------------------------------
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"unrecognized special token entry {value!r}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _chat_template(directory: Path, config: dict) -> str | None:
+    """`chat_template.jinja` wins over tokenizer_config's entry, as in transformers."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template is not a string")
+    return template
+
+
+def _from_hf_directory(directory: Path) -> Tokenizer:
+    files = {name: directory / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        hint = (" (only a slow SentencePiece tokenizer.model is present; convert it with transformers' "
+                "save_pretrained first)") if (directory / "tokenizer.model").is_file() else ""
+        raise FileNotFoundError(f"{directory} is missing {', '.join(missing)}{hint}")
+    try:
+        backend = BackendTokenizer.from_file(str(files["tokenizer.json"]))
+    except Exception as e:  # tokenizers raises a plain Exception on a malformed file
+        raise ValueError(f"{files['tokenizer.json']}: cannot load: {e}") from None
+    config = _read_json(files["tokenizer_config.json"])
+    extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
+    if isinstance(extra, Mapping):  # v5 allows {name: token}
+        extra = list(extra.values())
+    specials = _Specials(bos=_token_content(config.get("bos_token")),
+                         eos=_token_content(config.get("eos_token")),
+                         unk=_token_content(config.get("unk_token")),
+                         pad=_token_content(config.get("pad_token")),
+                         extra=tuple(_token_content(t) for t in extra))
+    _add_named_specials(backend, specials)
+    # With a tokenizer.json, transformers ignores tokenizer_config's add_bos/eos_token and keeps
+    # the file's post-processor; only a missing one is rebuilt (adding nothing).
+    if backend.post_processor is None:
+        backend.post_processor = _template_processing(specials, False, False, backend)
+    extra_eos = []
+    for name in ("generation_config.json", "config.json"):
+        if (directory / name).is_file():
+            eos = _read_json(directory / name).get("eos_token_id")
+            extra_eos += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return Tokenizer(backend, specials=specials, chat_template=_chat_template(directory, config),
+                     extra_eos_ids=[int(i) for i in extra_eos], name=str(directory))
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer of a model: None (the default model), a .gguf file, or an HF directory."""
+    if path is None:
+        from jaxllm.paths import default_model_path
+        path = default_model_path()
+    path = Path(path)
+    if path.is_dir():
+        return _from_hf_directory(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path)
+    if path.is_file() and path.name == "tokenizer.json":
+        return _from_hf_directory(path.parent)
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer at {path}")
+    raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face tokenizer directory")
+
+
+__all__ = ["ChatTemplateError", "END_OF_TURN_TOKENS", "TextStream", "Tokenizer", "load_tokenizer",
+           "render_chat_template"]

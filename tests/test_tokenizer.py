@@ -1,0 +1,282 @@
+"""Tokenizer parity with transformers (the oracle) on the default model, chat templates in the
+sandbox, stop ids, and the streaming detokenizer."""
+
+import json
+
+import gguf
+import pytest
+from transformers import AutoTokenizer
+
+from jaxllm.paths import default_model_path
+from jaxllm.tokenizer import ChatTemplateError, load_tokenizer
+
+TEXTS = {
+    "english": "The quick brown fox jumps over the lazy dog. It's 3:45pm, isn't it?",
+    "chinese": "你好，世界！今天的天气很好，我们去公园散步吧。",
+    "code": "def f(x):\n\tif x > 0:\n\t\treturn x  # positive\n    else:\n        return -x\n",
+    "emoji": "Launch 🚀 done 👍🏽 flags 🇫🇷🇯🇵 family 👨‍👩‍👧",
+    "whitespace": "  leading\n\n\n\nand   runs \t\t of \r\n   whitespace   \n ",
+    "special": "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n",
+    "numbers": "12345 + 0.001 = 12345.001; 1e-9, -42, 2024-11-29",
+    "mixed": "Ünïcödé, ça va? Ωμέγα, русский, العربية, 日本語のテキスト ✓ ∑∫√",
+    "empty": "",
+}
+
+CONVERSATIONS = {
+    "system+user": [{"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": "What is 2+2?"}],
+    "user only": [{"role": "user", "content": "Hi there 👋"}],
+    "multi-turn": [{"role": "system", "content": "Be kind."},
+                   {"role": "user", "content": "Tell me a joke."},
+                   {"role": "assistant", "content": "Why did the chicken cross the road?"},
+                   {"role": "user", "content": "Why?\n\tTell me."}],
+}
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_backend_is_transformers_gguf_conversion(ours, theirs):
+    a, b = json.loads(ours.backend.to_str()), json.loads(theirs.backend_tokenizer.to_str())
+    for part in ("normalizer", "pre_tokenizer", "model", "decoder", "added_tokens", "post_processor"):
+        assert a[part] == b[part], part
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_ids_match_transformers(ours, theirs, name):
+    text = TEXTS[name]
+    for add in (False, True):
+        assert ours.encode(text, add_special_tokens=add) == theirs.encode(text, add_special_tokens=add)
+
+
+def test_special_tokens_in_text_are_single_ids(ours):
+    assert ours.encode("<|im_start|>user<|im_end|>")[::2] == [1, 2]
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_decode_round_trip(ours, theirs, name):
+    text = TEXTS[name]
+    ids = ours.encode(text)
+    assert ours.decode(ids) == text == theirs.decode(ids)
+    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_rejects_out_of_range_ids(ours):
+    with pytest.raises(ValueError, match="49152"):
+        ours.decode([1, 49152])
+    with pytest.raises(ValueError, match="-1"):
+        ours.decode([-1])
+
+
+def test_special_ids_and_stop_ids(ours, theirs):
+    assert ours.vocab_size == len(theirs) == 49152
+    assert ours.bos_token_id == theirs.bos_token_id == 1
+    assert ours.pad_token_id == theirs.pad_token_id == 2
+    # SmolLM2-Instruct ends turns with <|im_end|>, which is also its eos
+    assert ours.id_to_token(2) == "<|im_end|>"
+    assert 2 in ours.eos_token_ids
+    assert ours.eos_token_ids[0] == theirs.eos_token_id
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_chat_template_matches_transformers(ours, theirs, name):
+    messages = CONVERSATIONS[name]
+    for add in (True, False):
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+    assert ours.chat_template == theirs.chat_template
+
+
+def test_chat_template_features_match_transformers(ours, theirs):
+    # transformers' extras: tojson without HTML escaping, loop controls, raise_exception,
+    # namespace, the {% generation %} tag, strftime_now, and the special-token variables
+    template = (
+        "{% set ns = namespace(n=0) %}{{ bos_token }}"
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}{% if ns.n > 3 %}{% break %}{% endif %}"
+        "{% generation %}[{{ m['role'] }}]{% endgeneration %} {{ m | tojson }}\n{% endfor %}"
+        "{{ eos_token }}{{ strftime_now('%Y') }}{% if messages | length > 9 %}{{ raise_exception('long') }}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "<b>&'\"</b> ü"}, {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "ok", "tool_calls": None},
+                {"role": "user", "content": "a"}, {"role": "user", "content": "never shown"}]
+    expected = theirs.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert ours.apply_chat_template(messages, chat_template=template, add_generation_prompt=False) == expected
+    with pytest.raises(ChatTemplateError, match="long"):
+        ours.apply_chat_template(messages * 2, chat_template=template)
+
+
+UNSAFE_TEMPLATES = {
+    "mro walk": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "function globals": "{{ raise_exception.__globals__['os'].system('touch {marker}') }}",
+    "cycler globals": "{{ cycler.__init__.__globals__.os.popen('touch {marker}').read() }}",
+    "mutation": "{% set x = messages %}{{ x.append({'role': 'user'}) }}",
+    "namespace dunder": "{% set ns = namespace() %}{% set ns.__class__ = 1 %}{{ ns }}",
+}
+
+
+@pytest.mark.parametrize("name", list(UNSAFE_TEMPLATES))
+def test_chat_template_sandbox(ours, tmp_path, name):
+    marker = tmp_path / "pwned"
+    template = UNSAFE_TEMPLATES[name].replace("{marker}", str(marker))
+    with pytest.raises(ChatTemplateError, match="sandbox forbids"):
+        ours.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
+    assert not marker.exists()
+
+
+def test_chat_template_errors_are_clear(ours):
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% for %}")
+    with pytest.raises(ValueError, match="empty"):
+        ours.apply_chat_template([])
+
+
+STREAM_TEXTS = [TEXTS["chinese"], TEXTS["emoji"], TEXTS["mixed"],
+                "<|im_start|>assistant\n日本語 🙂 and ascii<|im_end|>"]
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_stream_emits_whole_characters(ours, text):
+    ids = ours.encode(text)
+    # the point of the test: some token ends inside a UTF-8 character
+    assert any("\ufffd" in ours.decode([i]) for i in ids)
+    stream = ours.stream()
+    pieces = [stream.push(i) for i in ids]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    # text arrives as it completes, not all at the end
+    assert sum(bool(p) for p in pieces[:-1]) >= len(text) // 4
+
+
+def test_stream_skipping_special_tokens(ours):
+    text = "<|im_start|>assistant\n你好 👋<|im_end|>"
+    ids = ours.encode(text)
+    stream = ours.stream(skip_special_tokens=True)
+    out = "".join(stream.push(i) for i in ids) + stream.flush()
+    assert out == ours.decode(ids, skip_special_tokens=True) == "assistant\n你好 👋"
+
+
+def test_stream_flushes_an_incomplete_tail(ours):
+    ids = ours.encode("a🙂")
+    stream = ours.stream()
+    out = "".join(stream.push(i) for i in ids[:-1])
+    assert "\ufffd" not in out
+    assert out + stream.flush() == ours.decode(ids[:-1])
+
+
+# --- Hugging Face directories ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dir(theirs, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    theirs.save_pretrained(directory)
+    return directory
+
+
+def test_hf_directory_matches(ours, theirs, hf_dir):
+    from_dir = load_tokenizer(hf_dir)
+    reloaded = AutoTokenizer.from_pretrained(hf_dir)
+    for text in TEXTS.values():
+        assert from_dir.encode(text) == ours.encode(text) == reloaded.encode(text, add_special_tokens=False)
+        for add in (False, True):
+            assert from_dir.encode(text, add_special_tokens=add) == reloaded.encode(text, add_special_tokens=add)
+    for messages in CONVERSATIONS.values():
+        assert from_dir.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert (from_dir.eos_token_ids, from_dir.bos_token_id, from_dir.pad_token_id, from_dir.vocab_size) == \
+           (ours.eos_token_ids, ours.bos_token_id, ours.pad_token_id, ours.vocab_size)
+
+
+def test_hf_directory_generation_config_adds_stop_ids(hf_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+    assert load_tokenizer(tmp_path).chat_template is None  # the template lived in chat_template.jinja
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (2, 0)
+
+
+def test_hf_directory_missing_files(hf_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        load_tokenizer(tmp_path)
+
+
+# --- a SentencePiece-style GGUF vocabulary (tokenizer.ggml.model == "llama") -------------------
+
+def write_sentencepiece_gguf(path):
+    """A tiny llama-2 style vocabulary: byte fallback, merges implied by scores, a user-defined
+    token and a ChatML end-of-turn control token."""
+    pieces = ["▁", "e", "t", "h", "a", "o", "l", "r", "d", "w", "n", "i", "s", ",", ".", "!",
+              "▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁h", "ll", "▁w", "or", "ld", "▁wor",
+              "▁world", "▁he", "▁hell", "▁hello", "ell", "hell", "ello", "hello", "▁▁", "▁▁▁▁"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + ["<think>", "<|im_end|>"]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4, 3]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(1)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template("{% for m in messages %}{{ bos_token }}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path):
+    write_sentencepiece_gguf(tmp_path / "sp.gguf")
+    ours = load_tokenizer(tmp_path / "sp.gguf")
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+    a, b = json.loads(ours.backend.to_str()), json.loads(theirs.backend_tokenizer.to_str())
+    for part in ("normalizer", "pre_tokenizer", "model", "decoder", "added_tokens", "post_processor"):
+        assert a[part] == b[part], part
+    for text in ["hello world", "  hello  world ", "Hello, the world! <think>in</think> é😀Z",
+                 "<s>the</s><|im_end|>", ""]:
+        for add in (False, True):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == theirs.encode(text, add_special_tokens=add)
+            assert ours.decode(ids) == theirs.decode(ids)
+            stream = ours.stream()
+            assert "".join(stream.push(i) for i in ids) + stream.flush() == ours.decode(ids)
+    assert ours.encode("hello", add_special_tokens=True)[0] == 1  # llama vocabularies add BOS
+    # eos, plus <|im_end|> because the template ends turns with it
+    assert ours.eos_token_ids == (2, ours.token_to_id("<|im_end|>"))
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_gguf_without_tokenizer(tmp_path):
+    path = tmp_path / "notok.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_tokenizer(path)
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "absent.gguf")
