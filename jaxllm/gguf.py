@@ -235,7 +235,10 @@ _ARCHS = {
                    ("rope.dimension_count", "attention.key_length")),
     "qwen2": _Arch("qwen2", ("Qwen2ForCausalLM",), False, ("attention.key_length",)),
     "qwen3": _Arch("qwen3", ("Qwen3ForCausalLM",), False, ("attention.key_length",)),
+    "qwen3moe": _Arch("qwen3_moe", ("Qwen3MoeForCausalLM",), False, ("attention.key_length",)),
 }
+# A llama file with experts is Mixtral (llama.cpp converts it with the llama architecture).
+_MIXTRAL = _Arch("mixtral", ("MixtralForCausalLM",), True, ("rope.dimension_count", "attention.key_length"))
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 
 # GGUF `{arch}.<key>` -> config.json key (transformers' GGUF_CONFIG_MAPPING for these archs)
@@ -250,7 +253,7 @@ _CONFIG_KEYS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
-_REQUIRED = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+_REQUIRED = ("embedding_length", "block_count", "attention.head_count")
 
 # per-layer GGUF leaf -> HF suffix under model.layers.{i}.
 _LAYER_NAMES = {
@@ -266,6 +269,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# MoE leaves: the router, and experts stacked on a leading E axis that HF stores one per expert
+_MOE_NAMES = {
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+    "qwen3_moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                  "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"},
+}
+# early Mixtral GGUFs wrote one tensor per expert: blk.{i}.ffn_gate.{e}.weight
+_MIXTRAL_SPLIT = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -279,16 +292,28 @@ def _arch(header: GGUFHeader) -> _Arch:
     if arch not in _ARCHS:
         raise ValueError(f"{header.path}: GGUF architecture {arch!r} is not supported by jaxllm "
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch == "llama" and header.metadata.get("llama.expert_count", 0):
+        return _MIXTRAL
     return _ARCHS[arch]
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_names(gguf_name: str, model_type: str, num_experts: int) -> list[str] | None:
+    """The HF names a GGUF tensor holds: one, or one per expert for a stacked [E, ...] tensor."""
     if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+        return [_GLOBAL_NAMES[gguf_name]]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES \
-            and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) < 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[-1] not in ("weight", "bias"):
+        return None
+    layer, leaf, kind = f"model.layers.{parts[1]}.", parts[2], parts[-1]
+    moe = _MOE_NAMES.get(model_type, {})
+    if len(parts) == 4 and leaf in moe:
+        if "{e}" not in moe[leaf]:
+            return [f"{layer}{moe[leaf]}.{kind}"]
+        return [f"{layer}{moe[leaf].format(e=e)}.{kind}" for e in range(num_experts)]
+    if len(parts) == 4 and leaf in _LAYER_NAMES:
+        return [f"{layer}{_LAYER_NAMES[leaf]}.{kind}"]
+    if len(parts) == 5 and model_type == "mixtral" and leaf in _MIXTRAL_SPLIT and parts[3].isdigit():
+        return [f"{layer}block_sparse_moe.experts.{parts[3]}.{_MIXTRAL_SPLIT[leaf]}.{kind}"]
     return None
 
 
@@ -322,6 +347,7 @@ def gguf_to_hf_config(path_or_header) -> dict:
     config["head_dim"] = next(
         (meta[prefix + k] for k in arch.head_dim_keys if prefix + k in meta),
         config["hidden_size"] // config["num_attention_heads"])
+    _moe_config(header, arch, config)
     config["tie_word_embeddings"] = "output.weight" not in header.tensors
     config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -332,6 +358,30 @@ def gguf_to_hf_config(path_or_header) -> dict:
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _moe_config(header: GGUFHeader, arch: _Arch, config: dict) -> None:
+    """Expert counts under the keys the HF config of the family uses."""
+    meta, prefix = header.metadata, header.architecture + "."
+    experts = meta.get(prefix + "expert_count", 0)
+    if arch.model_type not in _MOE_NAMES:
+        if experts:
+            raise ValueError(f"{header.path}: a {header.architecture!r} file with experts is not supported")
+        if "intermediate_size" not in config:
+            raise ValueError(f"{header.path}: GGUF metadata lacks {prefix}feed_forward_length")
+        return
+    if not experts or prefix + "expert_used_count" not in meta:
+        raise ValueError(f"{header.path}: GGUF metadata lacks {prefix}expert_count/expert_used_count")
+    if arch.model_type == "mixtral":
+        # Mixtral's intermediate_size is the width of one expert
+        config.update(num_local_experts=experts, num_experts_per_tok=meta[prefix + "expert_used_count"])
+        return
+    ffn = meta.get(prefix + "expert_feed_forward_length")
+    if ffn is None:
+        raise ValueError(f"{header.path}: GGUF metadata lacks {prefix}expert_feed_forward_length")
+    # llama.cpp's qwen3moe always renormalizes the top-k weights (transformers' GGUF default too)
+    config.update(num_experts=experts, num_experts_per_tok=meta[prefix + "expert_used_count"],
+                  moe_intermediate_size=ffn, norm_topk_prob=True)
 
 
 def _rope_scaling(header: GGUFHeader, config: dict) -> dict | None:
@@ -364,24 +414,25 @@ def _llama3_rope_scaling(header: GGUFHeader, config: dict) -> dict:
     stored factor.
     """
     info = header.tensors[_ROPE_FREQS]
-    factors_H2 = _dequantize(header, info).astype(np.float64).reshape(-1)
-    half = factors_H2.size
-    freqs_H2 = config["rope_theta"] ** (-np.arange(half, dtype=np.float64) * 2 / (2 * half))
-    factor = float(factors_H2.max())
+    # one divisor per rotary frequency: [H/2]
+    factors = _dequantize(header, info).astype(np.float64).reshape(-1)
+    half = factors.size
+    freqs = config["rope_theta"] ** (-np.arange(half, dtype=np.float64) / half)
+    factor = float(factors.max())
     if factor <= 1.0:
         raise ValueError(f"{header.path}: {_ROPE_FREQS} holds no scaling (max factor {factor})")
     # s_i from factor_i, for frequencies strictly between the two plateaus
-    smooth_H2 = (1 / factors_H2 - 1 / factor) / (1 - 1 / factor)
-    between = (smooth_H2 > 1e-4) & (smooth_H2 < 1 - 1e-4)
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    between = (smooth > 1e-4) & (smooth < 1 - 1e-4)
     if between.sum() < 2:
         raise ValueError(f"{header.path}: cannot recover llama3 RoPE scaling from {_ROPE_FREQS}: "
                          f"fewer than two frequencies between the plateaus")
-    slope, intercept = np.polyfit(freqs_H2[between], smooth_H2[between], 1)
+    slope, intercept = np.polyfit(freqs[between], smooth[between], 1)
     span = -1.0 / intercept  # hi - lo, with lo = 1
     original = slope * 2 * math.pi * span
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                "high_freq_factor": 1.0 + span, "original_max_position_embeddings": original}
-    if not np.allclose(_llama3_factors(freqs_H2, scaling), factors_H2, rtol=1e-4, atol=1e-4):
+    if not np.allclose(_llama3_factors(freqs, scaling), factors, rtol=1e-4, atol=1e-4):
         raise ValueError(f"{header.path}: {_ROPE_FREQS} does not follow llama3 RoPE scaling")
     # original_max_position_embeddings is an integer in every llama3 config
     if abs(original - round(original)) < 1e-3 * original:
@@ -437,19 +488,22 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
     header = read_gguf_header(path)
     config = gguf_to_hf_config(header)
     arch = _arch(header)
+    num_experts = config.get("num_local_experts", config.get("num_experts", 0))
+    layers = config["num_hidden_layers"]
     names = {}
-    for gguf_name in header.tensors:
+    for gguf_name, info in header.tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue  # folded into config["rope_scaling"]
-        hf_name = _hf_name(gguf_name)
-        if hf_name is None:
+        hf_names = _hf_names(gguf_name, arch.model_type, num_experts)
+        if hf_names is None:
             raise ValueError(f"{header.path}: unexpected tensor {gguf_name!r} for GGUF architecture "
                              f"{header.architecture!r} (a variant jaxllm does not support)")
-        names[gguf_name] = hf_name
-    layers = config["num_hidden_layers"]
-    for gguf_name, hf_name in names.items():
-        if hf_name.startswith("model.layers.") and int(hf_name.split(".")[2]) >= layers:
+        if len(hf_names) > 1 and (len(info.shape) != 3 or info.shape[0] != len(hf_names)):
+            raise ValueError(f"{header.path}: tensor {gguf_name!r} has shape {info.shape}, expected "
+                             f"[{len(hf_names)} experts, out, in]")
+        if hf_names[0].startswith("model.layers.") and int(hf_names[0].split(".")[2]) >= layers:
             raise ValueError(f"{header.path}: tensor {gguf_name!r} is beyond block_count={layers}")
+        names[gguf_name] = hf_names
 
     def load(gguf_name: str) -> np.ndarray:
         w = _dequantize(header, header.tensors[gguf_name])
@@ -459,7 +513,10 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
             w = _unpermute_rows(w, config["num_key_value_heads"])
         return w
 
+    arrays = {}
     # numpy releases the GIL in the dequantize arithmetic, so threads overlap the big tensors
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        arrays = dict(zip(names.values(), pool.map(load, names)))
+        for hf_names, w in zip(names.values(), pool.map(load, names)):
+            # a stacked [E, out, in] tensor: expert e's [out, in] matrix is w[e]
+            arrays.update(zip(hf_names, w if len(hf_names) > 1 else [w]))
     return config, arrays

@@ -90,7 +90,7 @@ def llama_cpp_permute(w, n_heads):
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied, seed=0):
+def hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied, experts=0, moe=None, seed=0):
     rng = np.random.default_rng(seed)
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not tied:
@@ -99,15 +99,30 @@ def hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied, seed=0):
         p = f"model.layers.{i}."
         shapes |= {p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
                    p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
-                   p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                   p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
-                   p + "post_attention_layernorm.weight": (D,)}
+                   p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+        if experts:
+            router, gate, up, down = MOE_HF_NAMES[moe]
+            shapes[p + router] = (experts, D)
+            for e in range(experts):
+                shapes |= {p + gate.format(e=e): (F, D), p + up.format(e=e): (F, D),
+                           p + down.format(e=e): (D, F)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                       p + "mlp.down_proj.weight": (D, F)}
         if bias:
             shapes |= {p + "self_attn.q_proj.bias": (N * H,), p + "self_attn.k_proj.bias": (K * H,),
                        p + "self_attn.v_proj.bias": (K * H,)}
         if qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)}
     return {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+
+MOE_HF_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                  "mlp.experts.{e}.down_proj.weight"),
+}
 
 
 def gguf_name(hf_name):
@@ -120,13 +135,20 @@ def gguf_name(hf_name):
 
 
 def write_tiny(path, arch, *, D=256, N=2, K=1, H=128, F=96, L=2, V=64, bias=False, qk_norm=False,
-               tied=True, quant=None, rope_freqs=None, rope_theta=10000.0, extra_tensors=()):
+               tied=True, quant=None, rope_freqs=None, rope_theta=10000.0, extra_tensors=(),
+               experts=0, split_experts=False):
     """Write a tiny GGUF the way llama.cpp's converter would; return the HF weights it holds.
 
     H is 128 because transformers' Qwen3 GGUF mapping ignores the head size and uses Qwen3's default.
     """
-    hf = hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied)
+    moe = "mixtral" if arch == "llama" else "qwen3_moe"
+    hf = hf_weights(D, N, K, H, F, L, V, bias, qk_norm, tied, experts, moe)
     w = gguf.GGUFWriter(path, arch)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(F)
     w.add_name(f"tiny {arch}")
     w.add_block_count(L)
     w.add_context_length(256)
@@ -148,7 +170,23 @@ def write_tiny(path, arch, *, D=256, N=2, K=1, H=128, F=96, L=2, V=64, bias=Fals
     w.add_token_merges([])
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
+    moe_leaves = dict(zip(MOE_HF_NAMES[moe], ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")))
+    written = set()
+    for i in range(L if experts else 0):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", hf[p + MOE_HF_NAMES[moe][0]])
+        written.add(p + MOE_HF_NAMES[moe][0])
+        for hf_name, leaf in list(moe_leaves.items())[1:]:
+            names = [p + hf_name.format(e=e) for e in range(experts)]
+            written.update(names)
+            if split_experts:  # early Mixtral GGUFs: blk.{i}.ffn_gate.{e}.weight
+                for e, name in enumerate(names):
+                    w.add_tensor(f"blk.{i}.{leaf.removesuffix('_exps')}.{e}.weight", hf[name])
+            else:  # stacked [E, out, in]
+                w.add_tensor(f"blk.{i}.{leaf}.weight", np.stack([hf[name] for name in names]))
     for name, t in hf.items():
+        if name in written:
+            continue
         g = gguf_name(name)
         if arch == "llama" and ".attn_q." in g:
             t = llama_cpp_permute(t, N)
@@ -170,11 +208,38 @@ def write_tiny(path, arch, *, D=256, N=2, K=1, H=128, F=96, L=2, V=64, bias=Fals
 
 
 TINY = {
+    "qwen3moe": ("qwen3moe", dict(qk_norm=True, experts=4)),
     "llama-untied": ("llama", dict(tied=False)),
     "llama-q8_0": ("llama", dict(quant=Q8_0)),
     "qwen2-bias": ("qwen2", dict(bias=True)),
     "qwen3-qknorm": ("qwen3", dict(qk_norm=True)),
 }
+
+
+def split_fused_experts(tensors, experts):
+    """transformers 5 keeps Qwen3-MoE experts fused: gate_up_proj [E, 2F, D] (gate rows first) and
+    down_proj [E, D, F]; checkpoints (and jaxllm) name each expert's matrices."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            F = t.shape[1] // 2
+            for e in range(experts):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :F]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, F:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(experts):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def fused_name(name):
+    parts = name.split(".")
+    if "experts" in parts and parts[-2] in ("gate_proj", "up_proj", "down_proj"):
+        i = parts.index("experts")
+        return ".".join(parts[:i + 1] + ["down_proj" if parts[-2] == "down_proj" else "gate_up_proj"])
+    return name
 
 
 @pytest.mark.parametrize("case", list(TINY))
@@ -184,14 +249,16 @@ def test_tiny_families_match_transformers(tmp_path, case):
     original = write_tiny(path, arch, **kwargs)
     config, ours = read_gguf(path)
     theirs_config, theirs, state_names = transformers_gguf(path)
-    assert set(ours) == set(theirs) == state_names - ({"lm_head.weight"} if config["tie_word_embeddings"] else set())
+    theirs = split_fused_experts(theirs, kwargs.get("experts", 0))
+    assert set(ours) == set(theirs)
+    assert {fused_name(n) for n in ours} == state_names - ({"lm_head.weight"} if config["tie_word_embeddings"] else set())
     for name, ref in theirs.items():
         np.testing.assert_allclose(ours[name], ref, rtol=0, atol=1e-6, err_msg=name)
     if kwargs.get("quant") is None:
         # float32 files round-trip exactly: the Q/K permutation is undone, nothing else changes
         for name, ref in original.items():
             np.testing.assert_array_equal(ours[name], ref, err_msg=name)
-    assert config["model_type"] == theirs_config.model_type == arch
+    assert config["model_type"] == theirs_config.model_type == {"qwen3moe": "qwen3_moe"}.get(arch, arch)
     assert config["tie_word_embeddings"] == theirs_config.tie_word_embeddings == kwargs.get("tied", True)
     # Qwen2's config derives the head size instead of storing it
     theirs_head_dim = getattr(theirs_config, "head_dim", None) or theirs_config.hidden_size // theirs_config.num_attention_heads
@@ -199,6 +266,20 @@ def test_tiny_families_match_transformers(tmp_path, case):
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
         assert config[key] == getattr(theirs_config, key), key
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_mixtral_style_llama_file(tmp_path, split):
+    # llama.cpp writes Mixtral with the llama architecture plus experts; transformers' GGUF path
+    # cannot load it, so the reference is the weights the file was written from
+    path = tmp_path / "mixtral.gguf"
+    original = write_tiny(path, "llama", experts=4, split_experts=split)
+    config, ours = read_gguf(path)
+    assert (config["model_type"], config["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 96)
+    assert set(ours) == set(original)
+    for name, ref in original.items():
+        np.testing.assert_array_equal(ours[name], ref, err_msg=name)
 
 
 def test_llama_qk_bias_is_unpermuted(tmp_path):
