@@ -479,6 +479,28 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def _required_names(config: dict, model_type: str) -> list[str]:
+    """The HF tensors every model of this config has (optional biases aside)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config["tie_word_embeddings"]:
+        names.append("lm_head.weight")
+    leaves = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+              "self_attn.v_proj", "self_attn.o_proj"]
+    if model_type in ("qwen3", "qwen3_moe"):
+        leaves += ["self_attn.q_norm", "self_attn.k_norm"]
+    if model_type in _MOE_NAMES:
+        experts = config.get("num_local_experts", config.get("num_experts", 0))
+        leaves += [leaf.format(e=e) for leaf in _MOE_NAMES[model_type].values()
+                   for e in (range(experts) if "{e}" in leaf else [0])]
+    else:
+        leaves += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    names += [f"model.layers.{i}.{leaf}.weight" for i in range(config["num_hidden_layers"]) for leaf in leaves]
+    if model_type == "qwen2":
+        names += [f"model.layers.{i}.self_attn.{x}_proj.bias" for i in range(config["num_hidden_layers"])
+                  for x in "qkv"]
+    return names
+
+
 def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """`(hf_config, tensors)` of a GGUF file (default: the default model), tensors float32 with HF
     names and layouts; `lm_head.weight` only when the file has its own output matrix."""
@@ -504,6 +526,12 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
         if hf_names[0].startswith("model.layers.") and int(hf_names[0].split(".")[2]) >= layers:
             raise ValueError(f"{header.path}: tensor {gguf_name!r} is beyond block_count={layers}")
         names[gguf_name] = hf_names
+
+    hf_names = {n for group in names.values() for n in group}
+    missing = [n for n in _required_names(config, arch.model_type) if n not in hf_names]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"{header.path}: the GGUF file lacks tensors for {', '.join(missing[:3])}{more}")
 
     def load(gguf_name: str) -> np.ndarray:
         w = _dequantize(header, header.tensors[gguf_name])

@@ -136,7 +136,7 @@ def gguf_name(hf_name):
 
 def write_tiny(path, arch, *, D=256, N=2, K=1, H=128, F=96, L=2, V=64, bias=False, qk_norm=False,
                tied=True, quant=None, rope_freqs=None, rope_theta=10000.0, extra_tensors=(),
-               experts=0, split_experts=False):
+               experts=0, split_experts=False, drop=()):
     """Write a tiny GGUF the way llama.cpp's converter would; return the HF weights it holds.
 
     H is 128 because transformers' Qwen3 GGUF mapping ignores the head size and uses Qwen3's default.
@@ -185,9 +185,9 @@ def write_tiny(path, arch, *, D=256, N=2, K=1, H=128, F=96, L=2, V=64, bias=Fals
             else:  # stacked [E, out, in]
                 w.add_tensor(f"blk.{i}.{leaf}.weight", np.stack([hf[name] for name in names]))
     for name, t in hf.items():
-        if name in written:
+        g = gguf_name(name) if name not in written else None
+        if g is None or g in drop:
             continue
-        g = gguf_name(name)
         if arch == "llama" and ".attn_q." in g:
             t = llama_cpp_permute(t, N)
         elif arch == "llama" and ".attn_k." in g:
@@ -391,6 +391,13 @@ def test_unexpected_tensor_is_named(tmp_path):
     path = tmp_path / "moe.gguf"
     write_tiny(path, "llama", extra_tensors=[("blk.0.ffn_gate_exps.weight", np.zeros((2, 96, 256), np.float32))])
     with pytest.raises(ValueError, match="blk.0.ffn_gate_exps.weight"):
+        read_gguf(path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, "qwen3", qk_norm=True, drop=("blk.1.attn_k_norm.weight",))
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_norm.weight"):
         read_gguf(path)
 
 
