@@ -34,7 +34,8 @@ PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, ffn_size=1536, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=100000.0), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+        rope=RopeConfig(theta=100000.0), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+        pad_token_id=2),
     # Qwen/Qwen3-0.6B: explicit head_dim 128 (N*H = 2048 > D = 1024), per-head q/k norms.
     "qwen3-0.6b": ModelConfig(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,

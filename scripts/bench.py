@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Benchmark `jaxllm.generate` on one device: one JSON line per run on stdout, the rest on stderr.
+
+    python scripts/bench.py --preset llama3-8b --batch 1,8,32 --prompt-len 128 --new-tokens 256
+    python scripts/bench.py --preset llama3-8b --context 512,8192       # decode cost vs context
+    python scripts/bench.py --model path/to/hf_dir --measure-peaks --plot bench.png
+
+A run is one (batch, prompt length): random prompts, greedy, no stop ids, so every row makes all
+--new-tokens. The first `generate` call includes compilation; --repeat timed calls follow. Prefill
+is timed on its own through `init_cache` + `prefill` on the same prompt shape and cache length, the
+first sample through `sample`; a decode step is (generate - prefill - first sample) / (new - 1).
+Bytes and FLOPs come from `jaxllm.roofline` (the fewest a step must move), the decode ones at the
+mean context of the decode steps (prompt + new/2), the prefill ones for the real prompt tokens
+(not the left padding up to the bucket). Achieved TB/s is those bytes over the measured step. Beside each JSON line, stderr gets the decode
+roofline table and the measured step against it.
+
+JSON keys (times in the unit their name says; null when not available on this device):
+  preset, model, device, platform, jax_version, jaxlib_version, git, env, compile_cache,
+  dtype, quant, kv_dtype, batch, prompt_len, padded_prompt_len, new_tokens, cache_len, repeat,
+  param_count, param_bytes, kv_cache_bytes,
+  first_call_s, compile_s, generate_s, generate_s_all,
+  prefill_ms, prefill_flops, prefill_tflops, prefill_roofline_ms, prefill_pct_matmul_peak,
+  sample_ms, ttft_ms,
+  decode_ms_per_step, decode_tokens_per_s_per_seq, decode_tokens_per_s, end_to_end_tokens_per_s,
+  decode_context_mean, weight_bytes_per_step, kv_bytes_per_step, bytes_per_step,
+  achieved_tbps, peak_tbps, pct_peak_bw, copy_tbps, pct_copy_bw, matmul_tflops,
+  decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
+  peak_bytes_in_use, bytes_in_use, bytes_limit, error
+peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+DATASHEET_BW = 4.8e12  # H200 HBM3e, vendor datasheet (bytes/s)
+COPY_PROBE_BYTES = 4 << 30  # ~4.3 GB: 70x the H200's L2, so the copy streams HBM
+MATMUL_PROBE_N = 8192
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a model shape with random weights (jaxllm.presets.PRESETS)")
+    src.add_argument("--model", help="a checkpoint to load: HF directory or .gguf file")
+    p.add_argument("--batch", type=_int_list, default=[1], help="rows, or a comma list: 1,8,32")
+    p.add_argument("--prompt-len", "--context", dest="prompt_len", type=_int_list, default=[128],
+                   help="prompt tokens per row, or a comma list; decode then runs at this context")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (>= 2)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--quant", default="none", choices=("none", "int8"), help="weight quantization")
+    p.add_argument("--kv-dtype", default=None, choices=("bf16", "int8"),
+                   help="KV cache dtype (default: the model dtype)")
+    p.add_argument("--repeat", type=int, default=3, help="timed generate calls per run (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", help="record one profiled generate call per run under this directory")
+    p.add_argument("--plot", help="PNG: decode tokens/s against batch beside the roofline (matplotlib)")
+    p.add_argument("--measure-peaks", action="store_true",
+                   help="first measure copy bandwidth and bf16 matmul rate (in a child process)")
+    p.add_argument("--copy-tbps", type=float, help="measured copy bandwidth to compare with (TB/s)")
+    p.add_argument("--matmul-tflops", type=float, help="measured bf16 matmul rate to compare with")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="turn off jaxllm's persistent compilation cache (cold compile times)")
+    p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peaks_probe:
+        return args
+    if not (args.preset or args.model):
+        p.error("give --preset NAME or --model PATH")
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2: a decode step is timed from the tokens after the first")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    # Refuse what the library cannot do yet rather than benchmark something else under its name.
+    if args.quant != "none":
+        p.error(f"--quant {args.quant} is not implemented yet in jaxllm (no quantized weights or kernels)")
+    if args.kv_dtype == "int8":
+        p.error("--kv-dtype int8 is not implemented yet in jaxllm (the KV cache follows the model dtype)")
+    if args.kv_dtype == "bf16" and args.dtype != "bfloat16":
+        p.error(f"--kv-dtype bf16 with --dtype {args.dtype} is not implemented yet in jaxllm "
+                "(the KV cache follows the model dtype)")
+    return args
+
+
+def log(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def _wait(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    _wait(fn())
+    return time.perf_counter() - t0
+
+
+def _median_time(fn, repeat: int) -> tuple[float, list[float]]:
+    times = [_timed(fn) for _ in range(repeat)]
+    return statistics.median(times), times
+
+
+def _rate(fn, calls: int = 10, rounds: int = 5) -> float:
+    """Median seconds per call of `calls` back-to-back launches (one wait), after a warm-up."""
+    _wait(fn())
+    _wait(fn())
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()  # the stream runs in order: the last result ready means all are done
+        _wait(out)
+        per_call.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per_call)
+
+
+def measure_peaks() -> dict:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data, never zeros."""
+    import jax
+    import jax.numpy as jnp
+    key = jax.random.key(1)
+    x = jax.random.normal(key, (COPY_PROBE_BYTES // 4,), jnp.float32)
+    scale = jax.jit(lambda x: x * 1.5)
+    copy_s = _rate(lambda: scale(x))
+    del x
+    n = MATMUL_PROBE_N
+    a = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 2), (n, n), jnp.bfloat16)
+    matmul = jax.jit(jnp.matmul)
+    mm_s = _rate(lambda: matmul(a, b))
+    return dict(copy_tbps=2 * COPY_PROBE_BYTES / copy_s / 1e12, matmul_tflops=2 * n ** 3 / mm_s / 1e12,
+                device=jax.devices()[0].device_kind)
+
+
+def probe_peaks() -> dict:
+    """measure_peaks in a child process, so its buffers stay out of this process's peak memory."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--peaks-probe"], env=env,
+                          stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        log(f"bench: the peaks probe failed (exit {proc.returncode}); comparing with the datasheet only")
+        return {}
+    peaks = json.loads(lines[-1])
+    log(f"bench: measured on {peaks['device']}: copy {peaks['copy_tbps']:.2f} TB/s, "
+        f"bf16 matmul {peaks['matmul_tflops']:.0f} TFLOP/s")
+    return peaks
+
+
+# --------------------------------------------------------------------------------------------
+# One run
+
+
+def _git_version() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _memory() -> dict:
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
+                bytes_limit=stats.get("bytes_limit"))
+
+
+def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict) -> dict:
+    import jax
+    import numpy as np
+
+    import jaxllm
+    from jaxllm import roofline
+    from jaxllm.cache import cache_bytes, init_cache
+    from jaxllm.generate import bucket, pad_prompts
+    from jaxllm.model import step
+    from jaxllm.params import param_bytes, param_count
+
+    cfg, new = params.config, args.new_tokens
+    rng = np.random.default_rng([args.seed, batch, prompt_len])
+    ids = rng.integers(0, cfg.vocab_size, size=(batch, prompt_len), dtype=np.int32)
+
+    def generate():
+        return jaxllm.generate(params, ids, max_new_tokens=new, temperature=0.0, eos_token_ids=[])
+
+    log(f"bench: {label['preset'] or label['model']} batch {batch}, prompt {prompt_len}, {new} new tokens")
+    t0 = time.perf_counter()
+    out = _wait(generate())
+    first_call_s = time.perf_counter() - t0
+    lengths = np.asarray(out.lengths)
+    if not (lengths == new).all():
+        raise RuntimeError(f"generate stopped early (lengths {sorted(set(lengths.tolist()))}, wanted {new})")
+    generate_s, generate_all = _median_time(generate, args.repeat)
+
+    # Prefill alone: one jitted program that, like generate's, allocates a fresh cache of the
+    # length generate plans for these prompts and runs `step` over the padded prompt.
+    tokens, start, _ = pad_prompts(params, ids)
+    cache_len = tokens.shape[1] + bucket(new)
+    tokens, start = jax.device_put(tokens), jax.device_put(start)
+    key = jax.random.key(args.seed)
+
+    @jax.jit
+    def prefill_jit(params, tokens, start):
+        return step(params, tokens, init_cache(cfg, batch, cache_len, params.dtype, start))
+
+    def prefill():
+        return prefill_jit(params, tokens, start)
+
+    logits, _ = _wait(prefill())  # compiles
+    _wait(jaxllm.sample(logits, key))
+    prefill_s, _ = _median_time(prefill, max(5, args.repeat))
+    sample_s, _ = _median_time(lambda: jaxllm.sample(logits, key), 10)
+    del logits
+    ttft_s = prefill_s + sample_s
+    decode_s = (generate_s - ttft_s) / (new - 1)
+    if decode_s <= 0:
+        log("bench: generate took no longer than its prefill: too few new tokens to time a decode step")
+        decode_s = float("nan")
+
+    matmul_flops = (peaks.get("matmul_tflops") or roofline.H200_BF16_MATMUL_FLOPS / 1e12) * 1e12
+    dtype = params.dtype
+    context = prompt_len + new // 2
+    dec = roofline.analyze(cfg, batch, context, 1, dtype, peak_bw=DATASHEET_BW, peak_flops=matmul_flops,
+                           name=label["preset"] or label["model"])
+    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, dtype, peak_bw=DATASHEET_BW,
+                           peak_flops=matmul_flops)
+    dt, pt = dec["totals"], pre["totals"]
+    step_bytes = dt["bytes"]
+    achieved = step_bytes / decode_s if decode_s > 0 else float("nan")
+    copy_bw = (peaks.get("copy_tbps") or 0) * 1e12 or None
+    result = dict(
+        label,
+        dtype=str(dtype), quant=args.quant, kv_dtype=str(dtype),
+        batch=batch, prompt_len=prompt_len, padded_prompt_len=int(tokens.shape[1]), new_tokens=new,
+        cache_len=cache_len, repeat=args.repeat,
+        param_count=param_count(params), param_bytes=param_bytes(params),
+        kv_cache_bytes=cache_bytes(cfg, batch, cache_len, dtype),
+        first_call_s=first_call_s, compile_s=max(0.0, first_call_s - generate_s),
+        generate_s=generate_s, generate_s_all=generate_all,
+        prefill_ms=prefill_s * 1e3, prefill_flops=pt["flops"], prefill_tflops=pt["flops"] / prefill_s / 1e12,
+        prefill_roofline_ms=pt["time_lb_s"] * 1e3,
+        prefill_pct_matmul_peak=100 * pt["flops"] / prefill_s / matmul_flops,
+        sample_ms=sample_s * 1e3, ttft_ms=ttft_s * 1e3,
+        decode_ms_per_step=decode_s * 1e3, decode_tokens_per_s_per_seq=1 / decode_s,
+        decode_tokens_per_s=batch / decode_s, end_to_end_tokens_per_s=batch * new / generate_s,
+        decode_context_mean=context, weight_bytes_per_step=dt["weight_bytes"],
+        kv_bytes_per_step=dt["kv_read_bytes"] + dt["kv_write_bytes"], bytes_per_step=step_bytes,
+        achieved_tbps=achieved / 1e12, peak_tbps=DATASHEET_BW / 1e12, pct_peak_bw=100 * achieved / DATASHEET_BW,
+        copy_tbps=copy_bw and copy_bw / 1e12, pct_copy_bw=copy_bw and 100 * achieved / copy_bw,
+        matmul_tflops=peaks.get("matmul_tflops"),
+        decode_roofline_ms=dt["time_lb_s"] * 1e3, pct_of_roofline=100 * dt["time_lb_s"] / decode_s,
+        roofline_tokens_per_s=dt["tokens_per_s_lb"],
+        **_memory(), error=None)
+
+    log(roofline.format_table(dec))
+    log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "
+        f"{achieved / 1e12:.2f} TB/s ({result['pct_peak_bw']:.0f}% of {DATASHEET_BW / 1e12:.1f}"
+        + (f", {result['pct_copy_bw']:.0f}% of the measured copy {copy_bw / 1e12:.2f}" if copy_bw else "")
+        + f"); {batch / decode_s:.0f} tokens/s in total; prefill {prefill_s * 1e3:.2f} ms "
+        f"({result['prefill_tflops']:.0f} TFLOP/s); first call {first_call_s:.2f} s")
+
+    if args.trace_dir:
+        run_dir = Path(args.trace_dir) / f"{(label['preset'] or Path(label['model']).name)}-b{batch}-p{prompt_len}"
+        with jax.profiler.trace(str(run_dir)):
+            _wait(generate())
+        log(f"bench: trace in {run_dir}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Plot
+
+
+def plot(results: list[dict], path: str):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        log("bench: --plot needs matplotlib, which is not installed; no plot written")
+        return
+    ok = [r for r in results if not r.get("error")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for prompt_len in sorted({r["prompt_len"] for r in ok}):
+        rows = sorted((r for r in ok if r["prompt_len"] == prompt_len), key=lambda r: r["batch"])
+        batches = [r["batch"] for r in rows]
+        line, = ax.plot(batches, [r["decode_tokens_per_s"] for r in rows], "o-",
+                        label=f"measured, prompt {prompt_len}")
+        ax.plot(batches, [r["roofline_tokens_per_s"] for r in rows], "--", color=line.get_color(),
+                label=f"roofline, prompt {prompt_len}")
+    name = ok[0]["preset"] or ok[0]["model"] if ok else ""
+    ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s (all rows)",
+           title=f"{name} on {ok[0]['device'] if ok else '?'}: measured and roofline "
+                 f"({DATASHEET_BW / 1e12:.1f} TB/s)")
+    ax.set_xticks(sorted({r["batch"] for r in ok}))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"bench: plot in {path}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.peaks_probe:
+        print(json.dumps(measure_peaks()), flush=True)
+        return 0
+    if args.no_compile_cache:
+        os.environ["JAXLLM_NO_COMPILE_CACHE"] = "1"  # read when jaxllm is imported, below
+    # Before this process touches the device: the probe's buffers then never share its memory.
+    peaks = probe_peaks() if args.measure_peaks else {}
+    peaks.setdefault("copy_tbps", args.copy_tbps)
+    peaks.setdefault("matmul_tflops", args.matmul_tflops)
+
+    import jax
+    import jaxlib
+
+    import jaxllm
+    from jaxllm import layers, presets
+
+    dtype = jax.numpy.dtype(args.dtype)
+    if args.model:
+        params = jaxllm.load(args.model, dtype=dtype)
+    else:
+        if args.preset not in presets.PRESETS:
+            log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
+            return 2
+        cfg = presets.PRESETS[args.preset]
+        if cfg.num_experts and not hasattr(layers, "moe"):
+            log(f"bench: {args.preset} is a mixture of experts, which is not implemented yet in jaxllm")
+            return 2
+        t0 = time.perf_counter()
+        params = _wait(presets.random_params(cfg, args.seed, dtype))
+        log(f"bench: random {args.preset} weights on {jax.devices()[0].device_kind} in "
+            f"{time.perf_counter() - t0:.1f} s")
+    label = dict(preset=args.preset, model=args.model, device=jax.devices()[0].device_kind,
+                 platform=jax.default_backend(), jax_version=jax.__version__,
+                 jaxlib_version=jaxlib.__version__, git=_git_version(),
+                 env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAXLLM_", "XLA_FLAGS"))},
+                 compile_cache=jax.config.jax_compilation_cache_dir)
+
+    # Each run is a new shape on purpose: jaxllm's warning about recompiling is noise here.
+    warnings.filterwarnings("ignore", message="jaxllm: recompiling")
+    results, failed = [], False
+    for prompt_len in args.prompt_len:
+        for batch in args.batch:
+            try:
+                result = run_one(params, label, batch, prompt_len, args, peaks)
+            except Exception as e:  # one failed shape (out of memory, over the context) ends only that run
+                failed = True
+                log(f"bench: batch {batch}, prompt {prompt_len} failed: {type(e).__name__}: {e}")
+                result = dict(label, batch=batch, prompt_len=prompt_len, new_tokens=args.new_tokens,
+                              error=f"{type(e).__name__}: {e}")
+            results.append(result)
+            print(json.dumps(_finite(result), allow_nan=False, default=str), flush=True)
+    if args.plot:
+        plot(results, args.plot)
+    return 1 if failed else 0
+
+
+def _finite(value):
+    """NaN and infinities become null: strict JSON readers refuse them."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""scripts/bench.py runs and prints well-formed JSON; the presets are the real models' shapes; the
+roofline matches a hand count. No timing is asserted anywhere here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import presets, roofline
+from jaxllm.config import ModelConfig
+from jaxllm.params import abstract_params, param_bytes, param_count
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "scripts" / "bench.py"
+
+
+def _documented_keys() -> set[str]:
+    """The key list in bench.py's docstring, between 'JSON keys' and the next blank line."""
+    doc = BENCH.read_text().split('"""')[1]
+    block = doc.split("JSON keys")[1].split("\n", 1)[1].split("peak_bytes_in_use is")[0]
+    return {k for k in re.split(r"[\s,]+", block) if k}
+
+
+def _bench(*args, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs():
+    # 16 new tokens (not 4): on a loaded CPU the decode part must clearly outweigh prefill noise.
+    proc = _bench("--preset", "tiny", "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
+
+
+def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
+    runs, stderr = tiny_runs
+    assert [r["batch"] for r in runs] == [1, 2]
+    documented = _documented_keys()
+    cfg = presets.PRESETS["tiny"]
+    for r in runs:
+        assert set(r) == documented, set(r) ^ documented
+        assert r["error"] is None
+        assert r["preset"] == "tiny" and r["platform"] == "cpu" and r["jax_version"] == jax.__version__
+        assert (r["prompt_len"], r["new_tokens"], r["dtype"]) == (8, 16, "bfloat16")
+        assert r["cache_len"] >= r["padded_prompt_len"] + r["new_tokens"]
+        assert r["param_bytes"] == param_bytes(abstract_params(cfg)) == 2 * r["param_count"]
+        assert r["kv_cache_bytes"] == (2 * cfg.num_layers * r["batch"] * r["cache_len"] * cfg.num_kv_heads
+                                       * cfg.head_dim * 2)
+        for key in ("first_call_s", "compile_s", "generate_s", "prefill_ms", "sample_ms", "ttft_ms",
+                    "decode_ms_per_step", "decode_tokens_per_s", "prefill_tflops", "achieved_tbps",
+                    "bytes_per_step", "decode_roofline_ms", "pct_of_roofline"):
+            assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
+        assert len(r["generate_s_all"]) == r["repeat"] == 3
+        assert r["generate_s"] == pytest.approx(sorted(r["generate_s_all"])[1])
+        assert r["first_call_s"] >= r["compile_s"]
+        assert r["ttft_ms"] == pytest.approx(r["prefill_ms"] + r["sample_ms"])
+        # The derived rates agree with each other and with the formulas the docstring states.
+        step_s = r["decode_ms_per_step"] / 1e3
+        assert step_s == pytest.approx((r["generate_s"] - r["ttft_ms"] / 1e3) / (r["new_tokens"] - 1))
+        assert r["decode_tokens_per_s_per_seq"] == pytest.approx(1 / step_s)
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch"] / step_s)
+        assert r["end_to_end_tokens_per_s"] == pytest.approx(r["batch"] * r["new_tokens"] / r["generate_s"])
+        assert r["achieved_tbps"] == pytest.approx(r["bytes_per_step"] / step_s / 1e12)
+        assert r["pct_peak_bw"] == pytest.approx(100 * r["achieved_tbps"] / 4.8)
+        assert r["decode_context_mean"] == 8 + 16 // 2
+        # Without --measure-peaks or memory stats on the CPU, these stay null rather than guessed.
+        assert r["copy_tbps"] is None and r["pct_copy_bw"] is None and r["peak_bytes_in_use"] is None
+    assert "roofline tiny" in stderr and "lm_head" in stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quant", "int8"], "--quant int8 is not implemented yet"),
+    (["--kv-dtype", "int8"], "--kv-dtype int8 is not implemented yet"),
+    (["--dtype", "float32", "--kv-dtype", "bf16"], "not implemented yet"),
+    (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+    (["--batch", "1,0"], "integers >= 1"),
+])
+def test_bench_refuses_what_it_cannot_measure(flags, message):
+    proc = _bench("--preset", "tiny", *flags, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and not proc.stdout
+
+
+def test_bench_reports_a_failed_run_as_json_and_fails():
+    # Prompt + new tokens over the tiny model's 1024-token context: that run errors, others go on.
+    proc = _bench("--preset", "tiny", "--prompt-len", "1020,8", "--new-tokens", "8", "--repeat", "1")
+    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 1
+    assert [r["prompt_len"] for r in runs] == [1020, 8]
+    assert "ValueError" in runs[0]["error"] and "context" in runs[0]["error"]
+    assert runs[1]["error"] is None and runs[1]["decode_ms_per_step"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: exactly what ModelConfig.from_hf builds from the published config.json files.
+
+_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+              hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+              vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+              tie_word_embeddings=False, num_key_value_heads=8)
+_LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+_MISTRAL = dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_act="silu",
+                hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32,
+                num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+                max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False, head_dim=128,
+              hidden_act="silu", rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000,
+              sliding_window=None, use_sliding_window=False, max_position_embeddings=40960,
+              bos_token_id=151643, eos_token_id=151645, vocab_size=151936)
+
+HF_CONFIGS = {
+    "llama3-8b": dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_hidden_layers=32, rope_scaling=_LLAMA31_SCALING),
+    "llama3-70b": dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                       num_hidden_layers=80, rope_scaling=_LLAMA31_SCALING),
+    "llama3.2-1b": dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                        num_hidden_layers=16, head_dim=64, tie_word_embeddings=True,
+                        rope_scaling=dict(_LLAMA31_SCALING, factor=32.0)),
+    "smollm2-135m": dict(_LLAMA, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                         num_hidden_layers=30, num_key_value_heads=3, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100000, rope_scaling=None,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                       num_hidden_layers=28, num_key_value_heads=8, max_window_layers=28,
+                       tie_word_embeddings=True),
+    "mistral-7b": dict(_MISTRAL, vocab_size=32768),
+    "mixtral-8x7b": dict(_MISTRAL, architectures=["MixtralForCausalLM"], model_type="mixtral",
+                         vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                          num_hidden_layers=48, num_key_value_heads=4, max_window_layers=48,
+                          decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768,
+                          norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
+                          tie_word_embeddings=False),
+}
+
+# Parameter counts the model cards publish (billions), to the precision they give.
+PUBLISHED_PARAMS = {"llama3-8b": 8.03, "llama3-70b": 70.6, "llama3.2-1b": 1.24, "smollm2-135m": 0.135,
+                    "qwen3-0.6b": 0.6, "mistral-7b": 7.25, "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_preset_is_the_published_config(name):
+    assert presets.PRESETS[name] == ModelConfig.from_hf(HF_CONFIGS[name])
+    count = param_count(abstract_params(presets.PRESETS[name])) / 1e9
+    assert count == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+
+
+def test_get_config_takes_a_preset_or_a_checkpoint_dir(tmp_path):
+    assert presets.get_config("llama3-8b") is presets.PRESETS["llama3-8b"]
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["qwen3-0.6b"]))
+    assert presets.get_config(str(tmp_path)) == presets.PRESETS["qwen3-0.6b"]
+    with pytest.raises(ValueError, match="neither a preset"):
+        presets.get_config("llama-9b")
+
+
+def test_random_params_fill_every_tensor_in_pieces(monkeypatch):
+    # Pieces of 1000 elements: the [256, 64] embedding takes 17 pieces, the last one overlapping.
+    monkeypatch.setattr(presets, "PIECE_ELEMENTS", 1000)
+    cfg = presets.PRESETS["tiny"]
+    params = presets.random_params(cfg, seed=3)
+    expected = abstract_params(cfg)
+    assert jax.tree.structure(params) == jax.tree.structure(expected)
+    for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+        assert (leaf.shape, leaf.dtype) == (want.shape, want.dtype)
+        x = np.asarray(leaf, np.float32)
+        if leaf.ndim == 1:
+            assert (x == 1).all()
+        else:  # every row drawn (no zero rows left unwritten), with the init's spread
+            assert (np.abs(x).reshape(x.shape[0], -1).max(axis=1) > 0).all()
+            assert x.std() == pytest.approx(0.02, rel=0.2)
+    embed = np.asarray(params.embed, np.float32)
+    assert not np.array_equal(embed[:15], embed[15:30])  # pieces draw different numbers
+    again = presets.random_params(cfg, seed=3)
+    assert np.array_equal(np.asarray(again.embed, np.float32), embed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline against a hand count.
+
+
+def test_roofline_llama3_8b_batch1_decode_by_hand():
+    cfg = presets.PRESETS["llama3-8b"]
+    S = 256
+    r = roofline.analyze(cfg, batch=1, context=S, tokens=1)
+    t = r["totals"]
+    D, L, V, F, KH = 4096, 32, 128256, 14336, 8 * 128
+    per_layer = D * (D + 2 * KH) + D * D + 3 * D * F  # qkv, o, gate/up, down
+    # The 16.06 GB the DESIGN quotes is every resident weight ...
+    assert t["param_bytes"] == param_bytes(abstract_params(cfg)) == pytest.approx(16.06e9, rel=0.01)
+    # ... but a decode step gathers one embedding row: it streams the layers, norms and lm_head.
+    weights_read = 2 * (L * per_layer + V * D + (2 * L + 1) * D + D)
+    assert t["weight_bytes"] == weights_read == pytest.approx(15.01e9, rel=0.001)
+    kv = 2 * L * S * KH * 2 + 2 * L * KH * 2  # read the 256 visible positions, write the new one
+    assert t["kv_read_bytes"] + t["kv_write_bytes"] == kv
+    assert t["flops"] == 2 * (L * per_layer + V * D) + 4 * L * S * 32 * 128
+    bound = t["bytes"] / 4.8e12
+    assert t["time_lb_s"] == pytest.approx(bound)  # every operator is memory-bound at batch 1
+    assert t["time_lb_s"] == pytest.approx(3.13e-3, rel=0.005)
+    assert t["param_bytes"] / 4.8e12 == pytest.approx(3.35e-3, rel=0.005)  # DESIGN's 299 tok/s figure
+    assert all(o["bound"] == "memory" for o in r["ops"])
+    by_op = {o["op"]: o for o in r["ops"]}
+    assert by_op["gate_up"]["weight_bytes"] == 2 * L * 2 * D * F
+    assert by_op["lm_head"]["flops"] == 2 * D * V
+    assert sum(o["share"] for o in r["ops"]) == pytest.approx(1.0)
+
+
+def test_roofline_prefill_is_compute_bound_and_causal():
+    cfg = presets.PRESETS["llama3-8b"]
+    T = 2048
+    r = roofline.analyze(cfg, batch=1, context=T, tokens=T)
+    by_op = {o["op"]: o for o in r["ops"]}
+    assert by_op["attention"]["flops"] == 4 * 32 * 32 * 128 * T * (T + 1) // 2
+    assert by_op["lm_head"]["flops"] == 2 * 4096 * 128256  # last position only
+    assert by_op["gate_up"]["bound"] == "compute" and by_op["lm_head"]["bound"] == "memory"
+    assert r["totals"]["flops"] == pytest.approx(29.7e12, rel=0.01)
+
+
+def test_roofline_attention_reads_the_live_context_within_the_window():
+    cfg = presets.PRESETS["mistral-7b"]
+    slid = dataclasses.replace(cfg, sliding_window=4096, sliding_layers=(True,) * cfg.num_layers)
+
+    def kv_read(c, S):
+        return roofline.analyze(c, batch=2, context=S)["totals"]["kv_read_bytes"]
+    per_position = 2 * 2 * cfg.num_layers * 8 * 128 * 2  # k and v, 2 rows, L layers, K*H, bf16
+    assert kv_read(cfg, 8192) == 8192 * per_position == 16 * kv_read(cfg, 512)
+    assert kv_read(slid, 512) == kv_read(cfg, 512)
+    assert kv_read(slid, 8192) == kv_read(slid, 4096) == 4096 * per_position
+    # A prefill past the window: each query sees at most 4096 keys.
+    T = 6000
+    pairs = 4096 * 4097 // 2 + (T - 4096) * 4096
+    attn = {o["op"]: o for o in roofline.analyze(slid, 1, T, T)["ops"]}["attention"]
+    assert attn["flops"] == 4 * 32 * 128 * pairs * cfg.num_layers
+
+
+def test_roofline_int8_halves_the_bytes():
+    cfg = presets.PRESETS["llama3-8b"]
+    bf16 = roofline.analyze(cfg, 1, 256)["totals"]
+    int8 = roofline.analyze(cfg, 1, 256, dtype="int8", kv_dtype="int8")["totals"]
+    assert int8["weight_bytes"] == pytest.approx(bf16["weight_bytes"] / 2, rel=0.001)
+    K, H = cfg.num_kv_heads, cfg.head_dim  # int8 K/V carry one bf16 scale per position and head
+    assert int8["kv_read_bytes"] == bf16["kv_read_bytes"] // (2 * K * H) * (K * H + 2 * K)
+    assert int8["time_lb_s"] == pytest.approx(bf16["time_lb_s"] / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_roofline_moe_reads_the_experts_it_routes_to(name):
+    cfg = presets.PRESETS[name]
+    E, A, F, D = cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_size, cfg.hidden_size
+    expert_bytes = 3 * D * F * 2
+    one = {o["op"]: o for o in roofline.analyze(cfg, 1, 256)["ops"]}
+    assert "gate_up" not in one and "down" not in one
+    assert one["experts"]["weight_bytes"] == round(cfg.num_layers * A * expert_bytes)
+    assert one["experts"]["flops"] == 2 * cfg.num_layers * A * 3 * D * F
+    # A large batch touches every expert: the step streams every weight but the embedding table.
+    big = roofline.analyze(cfg, 512, 256)["totals"]
+    embed_table = cfg.vocab_size * D * 2
+    assert big["weight_bytes"] == pytest.approx(big["param_bytes"] - embed_table, rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama3.2-1b", "qwen3-0.6b", "smollm2-135m", "mistral-7b", "llama3-70b"])
+def test_roofline_streams_every_weight_but_the_gathered_embedding(name):
+    cfg = presets.PRESETS[name]
+    t = roofline.analyze(cfg, 1, 128)["totals"]
+    gathered = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
+    assert t["weight_bytes"] == t["param_bytes"] - gathered + cfg.hidden_size * 2
+
+
+def test_roofline_cli(capsys):
+    assert roofline.main(["llama3-8b", "--batch", "32", "--context", "8192"]) == 0
+    out = capsys.readouterr().out
+    for op in ("qkv", "attention", "o", "gate_up", "down", "lm_head", "total"):
+        assert re.search(rf"^{op}\s", out, re.M), op
+    assert roofline.main(["tiny", "--tokens", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["setup"]["tokens"] == 8 and result["totals"]["flops"] > 0
+    assert roofline.main(["no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
