@@ -19,6 +19,7 @@ from jaxllm.cache import KVCache, init_cache
 from jaxllm.model import check_tokens, jitted_step, step
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
+from jaxllm.trace import check_recompile, compile_count, shape_text
 
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile
@@ -149,10 +150,13 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
     tokens, start, steps, cache_length = _plan(params, ids, max_new_tokens, sampling)
     stops = params.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    compiled = compile_count(_generate_core)  # to warn when a new shape compiles again
     out, lengths = _generate_core(
         params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed), jnp.int32(max_new_tokens),
         _stop_array(stops), sampling.values(), cache_length=cache_length, steps=steps,
         flags=sampling.static())
+    check_recompile(_generate_core, compiled, "generate", group=(params.config, params.dtype),
+                    describe=lambda: shape_text(*tokens.shape, cache_length, steps, sampling))
     return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)
 
 
@@ -175,7 +179,10 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \
         jnp.zeros((1, 1), bool)
     run = jitted_step()
+    compiled = compile_count(run)
     logits_BV, cache = run(params, tokens_dev, cache)
+    check_recompile(run, compiled, "stream", group=(params.config, params.dtype),
+                    describe=lambda: shape_text(*tokens.shape, cache_length))
     for i in range(max_new_tokens):
         token_B = _choose_jit(logits_BV, seen, key, i, values, flags)
         token = int(token_B[0])
