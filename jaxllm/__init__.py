@@ -11,6 +11,7 @@ Modules import only from those above them:
   tokenizer -> cli
 """
 
+from jaxllm import compile_cache
 from jaxllm.cache import KVCache, init_cache
 from jaxllm.config import ModelConfig
 from jaxllm.generate import GenerateOutput, generate, stream
@@ -18,6 +19,7 @@ from jaxllm.loader import load
 from jaxllm.model import decode_step, forward, prefill
 from jaxllm.params import Params, init_params
 from jaxllm.sampling import sample
+from jaxllm.trace import summarize, trace, trace_steady
 
 
 def load_tokenizer(path=None):
@@ -28,3 +30,8 @@ def load_tokenizer(path=None):
 
 __all__ = ["KVCache", "GenerateOutput", "ModelConfig", "Params", "decode_step", "forward", "generate",
            "init_cache", "init_params", "load", "load_tokenizer", "prefill", "sample", "stream"]
+__all__ += ["summarize", "trace", "trace_steady"]
+
+# The persistent compilation cache, on by default; set up at import, before anything compiles
+# (JAX fixes its cache at the first compilation). Never raises; see compile_cache.py.
+compile_cache.enable()
