@@ -1,0 +1,210 @@
+"""Profiler traces, their summary, the recompile warning and the persistent compilation cache (CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxllm
+from jaxllm.trace import RecompileWarning, summarize, trace, trace_steady
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def tiny_config(vocab: int) -> jaxllm.ModelConfig:
+    # Each test that counts compilations gets its own vocabulary size: a config no other test
+    # has compiled for, so the first compilation is really its own.
+    return jaxllm.ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=8, ffn_size=64,
+                              max_position_embeddings=256)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compilations (persistent-cache loads included) inside the block."""
+    names: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE:
+            names.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A steady-state trace of one generate call of a tiny random model."""
+    params = jaxllm.init_params(tiny_config(96), jax.random.key(0), jnp.float32)
+    log_dir = tmp_path_factory.mktemp("trace")
+    info = trace_steady(lambda: jaxllm.generate(params, [[3, 1, 4, 1, 5]], max_new_tokens=8), log_dir)
+    return info
+
+
+def test_trace_is_written_with_the_model_scopes(traced):
+    run = traced.run_dir
+    assert run is not None and run.parent == traced.log_dir / "plugins" / "profile"
+    xplane = list(run.glob("*.xplane.pb"))
+    assert xplane and list(run.glob("*.trace.json.gz"))
+    # The HLO stored in the trace names every op's named scope.
+    blob = xplane[0].read_bytes()
+    for scope in (b"layer_0", b"layer_1", b"attention", b"mlp", b"lm_head", b"sampling", b"prefill",
+                  b"decode"):
+        assert scope in blob, scope
+    # The Perfetto copy is plain Chrome-trace JSON without the metadata Perfetto rejects.
+    with gzip.open(traced.perfetto_file, "rt") as f:
+        perfetto = json.load(f)
+    assert "metadata" not in perfetto and len(perfetto["traceEvents"]) > 10
+    assert str(traced.log_dir) in traced.how_to_open()
+    assert traced.output.tokens.shape == (1, 8)
+
+
+def test_summary_lists_real_ops_with_their_scopes(traced):
+    every = summarize(traced.log_dir, top=None)
+    assert sum(op.share for op in every) == pytest.approx(1.0, abs=1e-6)
+    assert sum(op.seconds for op in every) == pytest.approx(every.total_s)
+    assert all(op.seconds > 0 for op in every)
+    with gzip.open(next(traced.run_dir.glob("*.trace.json.gz")), "rt") as f:
+        traced_ops = {e["args"]["hlo_op"] for e in json.load(f)["traceEvents"]
+                      if "hlo_op" in e.get("args", {})}
+    assert {op.name for op in every} <= traced_ops
+    # Loops are not ops of their own: their bodies' ops carry the time.
+    assert not any(op.name.startswith("while") for op in every)
+    scopes = {op.scope for op in every}
+    for want in ("prefill/layer_0/attention", "decode/layer_1/mlp", "decode/lm_head", "sampling"):
+        assert any(s.startswith(want) for s in scopes), want
+    for key in ("prefill", "decode", "attention", "mlp", "lm_head", "sampling"):
+        assert every.scopes.get(key, 0) > 0, key
+    assert sum(every.scopes.get(k, 0) for k in ("prefill", "decode", "other phase")) == pytest.approx(1.0)
+    assert set(every.layers) == {"layer_0", "layer_1"}
+
+    top = summarize(traced.log_dir, top=5)
+    assert [op.name for op in top] == [op.name for op in every[:5]]
+    text = str(top)
+    assert top[0].name in text and "attention" in text and "%" in text
+
+
+def test_detail_trace_is_harmless_on_cpu(tmp_path):
+    params = jaxllm.init_params(tiny_config(96), jax.random.key(0), jnp.float32)
+    tokens = jnp.asarray([[1, 2, 3]])
+    jax.block_until_ready(jaxllm.forward(params, tokens))
+    with trace(tmp_path, detail=True) as info:
+        jax.block_until_ready(jaxllm.forward(params, tokens))
+    assert info.run_dir is not None
+    assert summarize(tmp_path).scopes.get("attention", 0) > 0
+
+
+def test_summarize_refuses_a_directory_without_a_trace(tmp_path):
+    with pytest.raises(FileNotFoundError, match="trace.json.gz"):
+        summarize(tmp_path)
+
+
+def test_same_bucket_compiles_nothing_and_a_new_bucket_warns_once():
+    params = jaxllm.init_params(tiny_config(98), jax.random.key(1), jnp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(jaxllm.generate(params, [[1] * 5], max_new_tokens=4))  # bucket 16
+        assert not [w for w in caught if w.category is RecompileWarning], "the first compile is expected"
+
+        with count_compiles() as compiled:
+            jax.block_until_ready(jaxllm.generate(params, [[2] * 9], max_new_tokens=4))  # bucket 16
+        assert compiled == []
+        assert not [w for w in caught if w.category is RecompileWarning]
+
+        with count_compiles() as compiled:
+            jax.block_until_ready(jaxllm.generate(params, [[2] * 20], max_new_tokens=4))  # bucket 32
+        assert any("_generate_core" in name for name in compiled)
+        recompiles = [w for w in caught if w.category is RecompileWarning]
+        assert len(recompiles) == 1
+        message = str(recompiles[0].message)
+        assert "generate" in message and "prompt bucket 32" in message and "cache 48" in message
+        assert recompiles[0].filename == __file__  # points at the caller's line
+
+        jax.block_until_ready(jaxllm.generate(params, [[2] * 30], max_new_tokens=4))  # bucket 32 again
+        assert len([w for w in caught if w.category is RecompileWarning]) == 1
+
+
+def test_stream_warns_once_for_a_new_bucket():
+    params = jaxllm.init_params(tiny_config(99), jax.random.key(2), jnp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(jaxllm.stream(params, [1] * 5, max_new_tokens=2))
+        list(jaxllm.stream(params, [1] * 7, max_new_tokens=2))
+        assert not [w for w in caught if w.category is RecompileWarning]
+        list(jaxllm.stream(params, [1] * 40, max_new_tokens=2))
+        recompiles = [w for w in caught if w.category is RecompileWarning]
+        assert len(recompiles) == 1 and "stream" in str(recompiles[0].message)
+        assert "prompt bucket 64" in str(recompiles[0].message)
+
+
+# --- the persistent compilation cache, in fresh processes (JAX fixes its cache per process) -----
+
+FORWARD_ONCE = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, jaxllm
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+    cfg = jaxllm.ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, num_layers=1,
+                             num_heads=2, num_kv_heads=1, head_dim=8, ffn_size=32,
+                             max_position_embeddings=64)
+    # Weights from numpy: random init would compile a program per parameter shape.
+    shapes = jax.eval_shape(lambda: jaxllm.init_params(cfg, jax.random.key(0), jnp.float32))
+    params = jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), shapes)
+    jax.block_until_ready(jaxllm.forward(params, [[1, 2, 3]]))
+    print("CACHE_DIR", jaxllm.compile_cache.directory())
+    print("CACHE_HITS", len(hits))
+""")
+
+
+def run_forward(env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE",
+                        "JAXLLM_NO_COMPILE_CACHE", "JAXLLM_CACHE")}
+    env.update(env_extra)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    done = subprocess.run([sys.executable, "-c", FORWARD_ONCE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def cache_entries(root) -> list:
+    xla = root / "xla"
+    return [p for p in xla.iterdir() if p.name.endswith("-cache")] if xla.is_dir() else []
+
+
+def test_compile_cache_is_on_by_default_and_reused(tmp_path):
+    first = run_forward({"JAXLLM_CACHE": str(tmp_path)})
+    assert f"CACHE_DIR {tmp_path / 'xla'}" in first.stdout
+    entries = cache_entries(tmp_path)
+    assert entries, "small programs are cached too"
+    second = run_forward({"JAXLLM_CACHE": str(tmp_path)})
+    hits = int(second.stdout.split("CACHE_HITS")[1])
+    assert hits >= 1 and len(cache_entries(tmp_path)) == len(entries)
+
+
+def test_compile_cache_off_by_env(tmp_path):
+    done = run_forward({"JAXLLM_CACHE": str(tmp_path), "JAXLLM_NO_COMPILE_CACHE": "1"})
+    assert "CACHE_DIR None" in done.stdout
+    assert cache_entries(tmp_path) == []
+
+
+def test_unwritable_cache_dir_means_no_cache_not_an_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = run_forward({"JAXLLM_CACHE": str(blocker / "sub")})  # cannot be created, even as root
+    assert "CACHE_DIR None" in done.stdout
+    assert "Warning" not in done.stderr and "Traceback" not in done.stderr
