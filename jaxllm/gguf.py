@@ -337,6 +337,12 @@ def gguf_to_hf_config(path_or_header) -> dict:
                              f"expected a number")
     # llama.cpp's defaults when a key is absent
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        if not isinstance(config[key], int) or config[key] <= 0:
+            raise ValueError(f"{header.path}: GGUF metadata gives {key} = {config[key]!r}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise ValueError(f"{header.path}: {config['num_attention_heads']} attention heads do not "
+                         f"divide into {config['num_key_value_heads']} KV heads")
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("max_position_embeddings", 2048)
     if "vocab_size" not in config:
@@ -455,6 +461,8 @@ def _llama3_factors(freqs, scaling: dict) -> np.ndarray:
 def _dequantize(header: GGUFHeader, info: TensorInfo) -> np.ndarray:
     """One tensor as float32 in numpy order, copied out of the memory map."""
     qtype = GGMLQuantizationType(info.ggml_type)
+    if info.nbytes == 0:  # a zero-sized dimension
+        return np.zeros(info.shape, np.float32)
     with open(header.path, "rb") as f:
         raw = np.fromfile(f, np.uint8, info.nbytes, offset=info.offset)
     if raw.size != info.nbytes:
@@ -535,10 +543,13 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
 
     def load(gguf_name: str) -> np.ndarray:
         w = _dequantize(header, header.tensors[gguf_name])
-        if arch.permute_qk and ".attn_q." in gguf_name:
-            w = _unpermute_rows(w, config["num_attention_heads"])
-        elif arch.permute_qk and ".attn_k." in gguf_name:
-            w = _unpermute_rows(w, config["num_key_value_heads"])
+        heads = (config["num_attention_heads"] if ".attn_q." in gguf_name
+                 else config["num_key_value_heads"] if ".attn_k." in gguf_name else None)
+        if arch.permute_qk and heads is not None:
+            if w.shape[0] != heads * config["head_dim"] or config["head_dim"] % 2:
+                raise ValueError(f"{header.path}: tensor {gguf_name!r} has {w.shape[0]} rows, expected "
+                                 f"{heads} heads x head_dim {config['head_dim']} (even)")
+            w = _unpermute_rows(w, heads)
         return w
 
     arrays = {}
