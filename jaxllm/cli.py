@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -116,35 +117,37 @@ def stop_ids(params, tok) -> list[int]:
     return list(dict.fromkeys([*params.config.eos_token_ids, *tok.eos_token_ids]))
 
 
-@contextlib.contextmanager
 def _tracer(trace_dir: str):
-    """`jaxllm.trace.trace` where that module exists, else the plain JAX profiler."""
+    """`jaxllm.trace.trace` where that module exists (it says how to open the trace), else JAX's own."""
     if importlib.util.find_spec("jaxllm.trace") is not None:
         from jaxllm.trace import trace
-    else:
-        import jax
-        trace = jax.profiler.trace
-    with trace(trace_dir):
-        yield
+        return trace(trace_dir)
+    import jax
+    return jax.profiler.trace(trace_dir)
 
 
 def _traced(tokens: Iterator[int], trace_dir: str | None, warmup: int = 2) -> Iterator[int]:
-    """Pass the tokens through; trace from token `warmup` on, when prefill and decode are compiled."""
+    """Pass the tokens through; trace from token `warmup` on, once prefill and decode are compiled.
+
+    `stream` brings every token to the host, so the traced steps are complete when the trace ends.
+    """
     if trace_dir is None:
         yield from tokens
         return
-    count = 0
+    count, info = 0, None
     with contextlib.ExitStack() as stack:
         for token in tokens:
             if count == warmup:
-                stack.enter_context(_tracer(trace_dir))
+                info = stack.enter_context(_tracer(trace_dir))
             count += 1
             yield token
     if count <= warmup:
         print("jaxllm: the answer ended before the decode loop warmed up; no trace written", file=sys.stderr)
-        return
-    print(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}",
-          file=sys.stderr)
+    elif hasattr(info, "how_to_open"):
+        print(f"jaxllm: decode steps from token {warmup} on: {info.how_to_open()}", file=sys.stderr)
+    else:
+        print(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}",
+              file=sys.stderr)
 
 
 def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: str | None = None) -> str:
@@ -224,6 +227,8 @@ def run_chat(args: argparse.Namespace) -> int:
         raise UsageError("this model has no chat template; use `jaxllm generate --no-chat`")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history: list[dict] = []
+    # The prompt grows each turn and crosses length buckets: those recompilations are expected here.
+    warnings.filterwarnings("ignore", message="jaxllm: recompiling")
     interactive = sys.stdin.isatty()
     if interactive:
         print("jaxllm chat: /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
@@ -231,6 +236,8 @@ def run_chat(args: argparse.Namespace) -> int:
         try:
             line = input(">>> " if interactive else "")
         except EOFError:
+            if interactive:
+                print()  # Ctrl-D leaves the cursor after the prompt
             break
         text = line.strip()
         if text == "/exit":
