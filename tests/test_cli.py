@@ -1,0 +1,150 @@
+"""The `jaxllm` command line as a user runs it: in a subprocess, on a tiny random model and on the
+default model, plus in-process checks of the chat history and the error paths.
+
+Each subprocess pays the jax import (~3 s), so there are few of them.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxllm
+from jaxllm import cli, paths
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with its own byte-level BPE tokenizer and a ChatML template."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = tmp_path_factory.mktemp("tiny_chat_model")
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(["hello world, what is the capital of France? Paris. 2+2=4, ok"] * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>",
+                                                eos_token="<|im_end|>", chat_template=CHATML)
+    fast.save_pretrained(out)
+    config = transformers.LlamaConfig(
+        vocab_size=tk.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+        eos_token_id=tk.token_to_id("<|im_end|>"), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def run_cli(*args: str, stdin: str = "", entry: str = "module", timeout: int = 300):
+    """Run the CLI as a user would: `python -m jaxllm` or the installed `jaxllm` script."""
+    if entry == "script":
+        script = shutil.which("jaxllm", path=str(Path(sys.executable).parent)) or shutil.which("jaxllm")
+        assert script, "the `jaxllm` console script is not installed"
+        cmd = [script, *args]
+    else:
+        cmd = [sys.executable, "-m", "jaxllm", *args]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_subcommands():
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    assert "generate" in r.stdout and "chat" in r.stdout
+
+
+def test_generate_streams_the_greedy_answer(tiny_model):
+    r = run_cli("generate", "hello world", "--model", str(tiny_model), "--max-new-tokens", "12",
+                "--dtype", "float32", entry="script")
+    assert r.returncode == 0, r.stderr
+
+    # The same answer through the Python API: chat template, greedy, stop token not shown.
+    params = jaxllm.load(tiny_model, dtype="float32")
+    tok = jaxllm.load_tokenizer(tiny_model)
+    text = tok.apply_chat_template([{"role": "user", "content": "hello world"}])
+    ids = tok.encode(text)
+    stops = cli.stop_ids(params, tok)
+    out = jaxllm.generate(params, [ids], max_new_tokens=12, eos_token_ids=stops)
+    new = [int(t) for t in out.tokens[0, :int(out.lengths[0])] if int(t) not in stops]
+    assert new, "the tiny model stopped at once: the test would compare nothing"
+    assert r.stdout == tok.decode(new) + "\n"
+
+
+def test_bad_flag_value_is_one_line_and_exit_2(tiny_model):
+    r = run_cli("generate", "hi", "--model", str(tiny_model), "--top-p", "2")
+    assert r.returncode == 2
+    assert "top_p must be in (0, 1]" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["chat", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["generate", "hi", "--model", "/nonexistent/model"], "no model at /nonexistent/model"),
+])
+def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--max-new-tokens", "0"])
+    assert e.value.code == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_missing_default_model_gives_the_install_hint(monkeypatch, capsys):
+    monkeypatch.setattr(paths, "DEFAULT_PACKAGE", "jaxllm_no_such_package")
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert paths.INSTALL_HINT in err
+    assert "Traceback" not in err
+
+
+def test_chat_keeps_history_and_reset_clears_it(tiny_model, monkeypatch, capsys):
+    """Each turn re-renders the whole history; /reset forgets it; /exit ends before later lines."""
+    tok = jaxllm.load_tokenizer(tiny_model)
+    answer = tok.encode(" Paris ok")
+    prompts = []
+
+    def fake_stream(params, ids, *, eos_token_ids, **kwargs):  # the model's part is tested above
+        prompts.append(tok.decode(ids))
+        yield from answer
+        yield eos_token_ids[0]
+
+    monkeypatch.setattr(jaxllm, "stream", fake_stream)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nand France?\n/reset\nagain\n/exit\nnever sent\n"))
+    assert cli.main(["chat", "--model", str(tiny_model)]) == 0
+    assert capsys.readouterr().out == " Paris ok\n" * 3
+    assert len(prompts) == 3
+    first, second, third = prompts
+    assert "hi" in first
+    assert second.startswith(first + " Paris ok")  # the first turn, the answer included
+    assert "and France?" in second
+    assert "again" in third and "hi" not in third and "Paris" not in third
+
+
+def test_default_model_generate():
+    r = run_cli("generate", "What is 2+2?", "--max-new-tokens", "8", entry="script")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), r.stderr
+
+
+def test_default_model_chat():
+    r = run_cli("chat", "--max-new-tokens", "8", stdin="hi\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), r.stderr
+    assert "Traceback" not in r.stderr
