@@ -131,7 +131,8 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         raise ValueError("mlp_bias=True is not supported")
 
     # Sliding windows: Mistral slides on every layer when sliding_window is set; Qwen2/3 only with
-    # use_sliding_window, on the layers listed in layer_types (or from max_window_layers on).
+    # use_sliding_window, on the layers listed in layer_types (or from max_window_layers on);
+    # Qwen3-MoE with use_sliding_window on every layer (transformers reads no max_window_layers for it).
     window = c.get("sliding_window")
     sliding_layers: tuple[bool, ...] = ()
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
@@ -140,27 +141,34 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         layer_types = c.get("layer_types")
         if layer_types:
             sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
-        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        elif model_type in ("qwen2", "qwen3"):
             first = int(c.get("max_window_layers", num_layers))
             sliding_layers = tuple(i >= first for i in range(num_layers))
         else:
             sliding_layers = (True,) * num_layers
         window = int(window)
 
-    num_experts, per_token, moe_ffn, moe_layers = 0, 0, 0, ()
+    # Absent keys take transformers' config defaults. transformers 5 writes Qwen3-MoE's expert count
+    # as num_local_experts (an attribute_map alias); published checkpoints spell it num_experts.
+    num_experts, per_token, moe_ffn, moe_layers, norm_topk = 0, 0, 0, (), True
     if model_type == "mixtral":
-        num_experts = int(c["num_local_experts"])
-        per_token = int(c["num_experts_per_tok"])
+        num_experts = int(c.get("num_local_experts", 8))
+        per_token = int(c.get("num_experts_per_tok", 2))
         moe_ffn = int(c["intermediate_size"])
         moe_layers = (True,) * num_layers
+        norm_topk = True  # Mixtral's router always renormalizes its top-k; it has no such key
     elif model_type == "qwen3_moe":
-        num_experts = int(c["num_experts"])
-        per_token = int(c["num_experts_per_tok"])
-        moe_ffn = int(c["moe_intermediate_size"])
+        num_experts = int(c.get("num_experts", c.get("num_local_experts", 128)))
+        per_token = int(c.get("num_experts_per_tok", 8))
+        moe_ffn = int(c.get("moe_intermediate_size", 768))
+        norm_topk = bool(c.get("norm_topk_prob", False))
         step = int(c.get("decoder_sparse_step", 1))
         dense = set(c.get("mlp_only_layers") or ())
         moe_layers = tuple(
             i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    if num_experts and not 0 < per_token <= num_experts:
+        raise ValueError(f"num_experts_per_tok {per_token} must be between 1 and the expert count "
+                         f"{num_experts}")
 
     eos = c.get("eos_token_id")
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
@@ -186,7 +194,7 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         num_experts=num_experts,
         experts_per_token=per_token,
         moe_ffn_size=moe_ffn,
-        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        norm_topk_prob=norm_topk,
         moe_layers=moe_layers,
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=eos_ids,
