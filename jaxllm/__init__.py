@@ -3,7 +3,8 @@
 Dimension alphabet, used the same way in names (`x_BTD`), einsums and docstrings:
   B batch, T new tokens, S cache length, D model width, N query heads, K KV heads,
   G = N/K query heads per KV head, H head dim, F FFN width, V vocab, L layers,
-  E experts, A active experts per token, J a small fused axis (q/k/v groups, gate/up).
+  E experts, A active experts per token, J a small fused axis (q/k/v groups, gate/up),
+  M = B*T tokens in one row and R = M*A (token, expert) assignments (MoE routing).
 Inside `shard_map`, N, K, F are per-device counts.
 
 Modules import only from those above them:

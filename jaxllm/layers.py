@@ -73,7 +73,7 @@ def mlp(x_BTD, w_gate_up_JFD, w_down_DF):
 GATHER_ROWS_PER_EXPERT = 0.5
 
 
-def route(x_MD, router_DE, experts_per_token: int, norm_topk_prob: bool):
+def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool):
     """The top-A experts of each token and their float32 weights, as transformers routes:
     logits in the model dtype (its linear layer), softmax in float32, top-A of the probabilities,
     renormalized to sum 1 when norm_topk_prob (Mixtral always is).
@@ -83,7 +83,7 @@ def route(x_MD, router_DE, experts_per_token: int, norm_topk_prob: bool):
     kernels pick the lower id. Ties are real in bf16 checkpoints, whose router logits often collide.
     Returns (experts_MA int32, weights_MA float32).
     """
-    logits_ME = jnp.einsum("MD,DE->ME", x_MD, router_DE)
+    logits_ME = jnp.einsum("MD,ED->ME", x_MD, router_ED)
     probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
     weights_MA, experts_MA = jax.lax.top_k(probs_ME, experts_per_token)
     if norm_topk_prob:
@@ -105,48 +105,62 @@ def moe_path(tokens: int, experts_per_token: int, num_experts: int) -> str:
     return "ragged"
 
 
-def _experts_gather(x_MD, experts_MA, gate_up_EDJF, down_EFD):
+def _experts_gather(x_MD, experts_MA, gate_up_EJFD, down_EDF):
     """SwiGLU of each token through each of its experts, the experts' weights gathered: [M, A, D]."""
-    gate_up_MADJF = gate_up_EDJF[experts_MA]
-    gate_up_MAJF = jnp.einsum("MD,MADJF->MAJF", x_MD, gate_up_MADJF)
+    gate_up_MAJF = jnp.einsum("MD,MAJFD->MAJF", x_MD, gate_up_EJFD[experts_MA])
     hidden_MAF = jax.nn.silu(gate_up_MAJF[:, :, 0]) * gate_up_MAJF[:, :, 1]
-    return jnp.einsum("MAF,MAFD->MAD", hidden_MAF, down_EFD[experts_MA])
+    return jnp.einsum("MAF,MADF->MAD", hidden_MAF, down_EDF[experts_MA])
 
 
-def _experts_ragged(x_MD, experts_MA, gate_up_EDJF, down_EFD):
+def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
+    """[R, N]: rows of x in consecutive groups, group e times w[e] (contraction axis K minor).
+
+    The one place to swap in a grouped-GEMM kernel. On the CPU, jax lowers ragged_dot densely
+    (every group masked against every row), which only tests run. On NVIDIA GPUs, XLA's
+    RaggedDotRewriter also expands it into a dense dot over all E groups unless its cuDNN fusion
+    is enabled (--xla_gpu_experimental_use_ragged_dot_fusion, cuDNN >= 9.22); the Pallas Mosaic
+    GPU kernel jax.experimental.pallas.ops.gpu.ragged_dot_mgpu is the Hopper alternative.
+    """
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x_RK, w_ENK, group_sizes_E, dims)
+
+
+def _experts_ragged(x_MD, experts_MA, gate_up_EJFD, down_EDF):
     """The same [M, A, D], with the assignments sorted by expert and each expert's rows one group of
-    a grouped matmul (`lax.ragged_dot`). An id of E (not a local expert) sorts after every group;
-    those rows are outside all groups and come back as zeros or garbage, for the caller to mask."""
+    a grouped matmul. An id of E (not a local expert) sorts after every group; those rows are
+    outside all groups and come back as zeros or garbage, for the caller to mask."""
     M, A = experts_MA.shape
-    E, D, J, F = gate_up_EDJF.shape
+    E, J, F, D = gate_up_EJFD.shape
     experts_R = experts_MA.reshape(M * A)
     order_R = jnp.argsort(experts_R, stable=True)
     group_sizes_E = jnp.bincount(experts_R, length=E + 1)[:E].astype(jnp.int32)
     x_RD = x_MD[order_R // A]
-    gate_up_RJF = jax.lax.ragged_dot(x_RD, gate_up_EDJF.reshape(E, D, J * F),
-                                     group_sizes_E).reshape(M * A, J, F)
+    gate_up_RJF = _grouped_matmul(x_RD, gate_up_EJFD.reshape(E, J * F, D),
+                                  group_sizes_E).reshape(M * A, J, F)
     hidden_RF = jax.nn.silu(gate_up_RJF[:, 0]) * gate_up_RJF[:, 1]
-    out_RD = jax.lax.ragged_dot(hidden_RF, down_EFD, group_sizes_E)
+    out_RD = _grouped_matmul(hidden_RF, down_EDF, group_sizes_E)
     # Back to (token, slot) order by a gather through the inverse permutation (no scatter-add).
     inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(M * A, dtype=order_R.dtype))
     return out_RD[inverse_R].reshape(M, A, D)
 
 
-def moe(x_BTD, router_DE, experts_gate_up_EDJF, experts_down_EFD, experts_per_token: int,
+def moe(x_BTD, router_ED, experts_gate_up_EJFD, experts_down_EDF, experts_per_token: int,
         norm_topk_prob: bool, *, path: str | None = None, expert_axis: str | None = None):
     """Sparse SwiGLU mixture of experts: each token through its top-A experts, weighted.
 
     Only chosen experts are computed (see `moe_path`; `path` forces "gather" or "ragged"). The
     A expert outputs are weighted and summed in float32 and cast back once (transformers adds
     them one by one in the model dtype). With `expert_axis`, this runs inside shard_map with the
-    experts split over that mesh axis (E per device, the router [D, E_total] replicated): each
+    experts split over that mesh axis (E per device, the router [E_total, D] replicated): each
     device routes all tokens, computes the assignments to its own experts and psums the result
     over the axis. If F is split as well (tensor parallel), the caller psums over that axis.
     """
     B, T, D = x_BTD.shape
-    E = experts_gate_up_EDJF.shape[0]
+    E = experts_gate_up_EJFD.shape[0]
     x_MD = x_BTD.reshape(B * T, D)
-    experts_MA, weights_MA = route(x_MD, router_DE, experts_per_token, norm_topk_prob)
+    experts_MA, weights_MA = route(x_MD, router_ED, experts_per_token, norm_topk_prob)
     local_MA = None
     if expert_axis is not None:
         experts_MA = experts_MA - jax.lax.axis_index(expert_axis) * E
@@ -154,10 +168,10 @@ def moe(x_BTD, router_DE, experts_gate_up_EDJF, experts_down_EFD, experts_per_to
     path = path or moe_path(B * T, experts_per_token, E)
     if path == "gather":
         ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, 0)
-        out_MAD = _experts_gather(x_MD, ids_MA, experts_gate_up_EDJF, experts_down_EFD)
+        out_MAD = _experts_gather(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
     elif path == "ragged":
         ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, E)
-        out_MAD = _experts_ragged(x_MD, ids_MA, experts_gate_up_EDJF, experts_down_EFD)
+        out_MAD = _experts_ragged(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
     else:
         raise ValueError(f"unknown MoE path {path!r}: 'gather' or 'ragged'")
     out_MAD = out_MAD.astype(jnp.float32)

@@ -11,6 +11,9 @@ axis major, the H200 measured 2 TB/s instead of ~3.8, and XLA transposed wo insi
   wqkv [K, G+2, H, D]: per KV head, its G query heads, then its key head, then its value head,
                        so a tensor-parallel split over K is one contiguous slice of whole groups.
   wo   [D, K, G, H],  w_gate_up [2, F, D],  w_down [D, F],  lm_head [V, D] (absent when tied).
+  MoE: router [E, D], experts_gate_up [E, 2, F, D], experts_down [E, D, F]: each expert is one
+       contiguous block in HF's per-expert [out, in] layout, so gathering or splitting experts
+       moves whole contiguous matrices.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ class Layer:
     bo: jax.Array | None = None  # [D]
     q_norm: jax.Array | None = None  # [H] (Qwen3)
     k_norm: jax.Array | None = None  # [H]
-    router: jax.Array | None = None  # [D, E] (MoE)
-    experts_gate_up: jax.Array | None = None  # [E, D, 2, F]
-    experts_down: jax.Array | None = None  # [E, F, D]
+    router: jax.Array | None = None  # [E, D] (MoE)
+    experts_gate_up: jax.Array | None = None  # [E, 2, F, D]
+    experts_down: jax.Array | None = None  # [E, D, F]
 
 
 @struct.dataclass
@@ -133,14 +136,13 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         gate, up, down = (p + f"mlp.experts.{{e}}.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj"))
     gate_up_sources = tuple((n.format(e=e), (F, D)) for e in range(E) for n in (gate, up))
     return {
-        "router": ParamSpec((D, E), (None, None), "normal", ((router, (E, D)),), lambda w: w.T),
+        "router": ParamSpec((E, D), (None, None), "normal", ((router, (E, D)),), lambda w: w),
         "experts_gate_up": ParamSpec(
-            (E, D, 2, F), ("experts", None, None, "ffn"), "normal", gate_up_sources,
-            lambda *ws: np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(ws[::2], ws[1::2])])),
+            (E, 2, F, D), ("experts", None, "ffn", None), "normal", gate_up_sources,
+            lambda *ws: np.stack(ws).reshape(E, 2, F, D)),  # sources alternate gate, up per expert
         "experts_down": ParamSpec(
-            (E, F, D), ("experts", "ffn", None), "normal",
-            tuple((down.format(e=e), (D, F)) for e in range(E)),
-            lambda *ws: np.stack([w.T for w in ws])),
+            (E, D, F), ("experts", None, "ffn"), "normal",
+            tuple((down.format(e=e), (D, F)) for e in range(E)), lambda *ws: np.stack(ws)),
     }
 
 
