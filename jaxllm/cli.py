@@ -3,8 +3,9 @@
 Every subcommand is one `add_NAME(subparsers)` function that builds its parser and sets
 `run=function(args) -> exit code`; `SUBCOMMANDS` lists them in the order `--help` shows. To add
 one, write its `add_` function (here or in its own module, imported inside `run` so that `--help`
-stays light) and append it to `SUBCOMMANDS`. The shared flag groups (`add_model_args`,
-`add_sampling_args`) and `load_model` / `sampling_kwargs` keep the flags the same everywhere.
+stays light) and append it to `SUBCOMMANDS`. The shared flags (`add_model_args`,
+`add_sampling_args`, `add_system_arg`, `add_trace_arg`) and `load_model` / `sampling_kwargs` keep
+the flags and their meaning the same everywhere.
 
 Exit codes: 0 done, 2 bad input (a flag value the library refuses, a missing model), 130 Ctrl-C.
 Input errors are one line on stderr, never a traceback; a traceback means a bug in jaxllm.
@@ -60,10 +61,17 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="> 0; 1 is off (default: 1)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
-    g.add_argument("--system", default=None, metavar="TEXT",
-                   help="system prompt (default: whatever the model's chat template adds)")
-    g.add_argument("--trace-dir", default=None, metavar="DIR",
-                   help="write a profiler trace of the steady-state decode to DIR")
+
+
+def add_system_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="system prompt (default: whatever the model's chat template adds)")
+
+
+def add_trace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace-dir", default=None, metavar="DIR",
+                        help="write a profiler trace of the steady-state decode steps to DIR "
+                             "(see docs/tracing.md)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -190,6 +198,8 @@ def add_generate(subparsers) -> None:
                                           "The chat template is applied when the model has one.")
     p.add_argument("prompt", help="the prompt (the user message, or raw text with --no-chat)")
     add_model_args(p)
+    add_system_arg(p)
+    add_trace_arg(p)
     add_sampling_args(p)
     p.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as raw text, without the chat template")
@@ -216,6 +226,7 @@ def add_chat(subparsers) -> None:
                                           "message per line. /reset clears the history; /exit or "
                                           "end of input (Ctrl-D) ends.")
     add_model_args(p)
+    add_system_arg(p)
     add_sampling_args(p)
     p.set_defaults(run=run_chat)
 

@@ -137,6 +137,14 @@ def test_chat_keeps_history_and_reset_clears_it(tiny_model, monkeypatch, capsys)
     assert "again" in third and "hi" not in third and "Paris" not in third
 
 
+def test_trace_dir_writes_a_trace_of_the_decode_steps(tiny_model, tmp_path, capsys):
+    argv = ["generate", "hello", "--model", str(tiny_model), "--dtype", "float32", "--max-new-tokens", "6",
+            "--trace-dir", str(tmp_path / "trace")]
+    assert cli.main(argv) == 0
+    assert list((tmp_path / "trace").rglob("*.xplane.pb")), "no trace written"
+    assert str(tmp_path / "trace") in capsys.readouterr().err
+
+
 def test_default_model_generate():
     r = run_cli("generate", "What is 2+2?", "--max-new-tokens", "8", entry="script")
     assert r.returncode == 0, r.stderr
