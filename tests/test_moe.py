@@ -25,7 +25,8 @@ import transformers
 
 import jaxllm
 from jaxllm import layers as L
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.params import abstract_params
 
 VOCAB = 256
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -271,6 +272,40 @@ def test_gather_path_work_does_not_grow_with_experts():
     per_expert = 2 * 64 * (2 * 128 + 128)  # one token through one expert: gate/up and down
     assert small >= 2 * per_expert
     assert large - small < per_expert  # only the router grows; a dense compute adds 56 experts
+
+
+# --- real shapes, traced without allocating ---------------------------------------------------
+
+# The published configs as `ModelConfig.from_hf` reads them (mistralai/Mixtral-8x7B-v0.1,
+# Qwen/Qwen3-30B-A3B), with their published parameter counts.
+REAL_SHAPES = {
+    "mixtral-8x7b": (46.70e9, ModelConfig(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, ffn_size=14336, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope=RopeConfig(theta=1000000.0), num_experts=8, experts_per_token=2,
+        moe_ffn_size=14336, norm_topk_prob=True, moe_layers=(True,) * 32, bos_token_id=1,
+        eos_token_ids=(2,))),
+    "qwen3-30b-a3b": (30.53e9, ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, ffn_size=6144, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0), qk_norm=True, num_experts=128,
+        experts_per_token=8, moe_ffn_size=768, norm_topk_prob=True, moe_layers=(True,) * 48,
+        bos_token_id=151643, eos_token_ids=(151645, 151643))),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_real_moe_shapes_trace(name):
+    """Both paths trace at the real shapes (decode gathers, prefill groups) and the parameter
+    count is the published one, all without allocating a weight."""
+    count, cfg = REAL_SHAPES[name]
+    params = abstract_params(cfg)
+    assert abs(sum(x.size for x in jax.tree.leaves(params)) / count - 1) < 1e-3
+    def step(params, tokens_BT):
+        return jaxllm.model.step(params, tokens_BT, jaxllm.init_cache(cfg, 1, 1024, params.dtype))
+    for shape in [(1, 1), (1, 512)]:
+        logits, _ = jax.eval_shape(step, params, jax.ShapeDtypeStruct(shape, jnp.int32))
+        assert (logits.shape, logits.dtype) == ((1, cfg.vocab_size), jnp.float32)
 
 
 # --- whole models ----------------------------------------------------------------------------
