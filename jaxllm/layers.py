@@ -78,9 +78,10 @@ def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool):
     logits in the model dtype (its linear layer), softmax in float32, top-A of the probabilities,
     renormalized to sum 1 when norm_topk_prob (Mixtral always is).
 
-    Exactly equal probabilities go to the lower expert id (lax.top_k is stable). torch.topk leaves
-    that order unspecified: on the CPU it is an artifact of std::nth_element; CUDA and vLLM's fused
-    kernels pick the lower id. Ties are real in bf16 checkpoints, whose router logits often collide.
+    Exactly equal probabilities go to the lower expert id (lax.top_k is stable), as in vLLM's fused
+    top-k kernel. torch.topk leaves that order unspecified (on the CPU it is an artifact of
+    std::nth_element), so no rule can match it everywhere. Ties are real in bf16 checkpoints,
+    whose router logits often collide; they decide only which expert wins the last slot.
     Returns (experts_MA int32, weights_MA float32).
     """
     logits_ME = jnp.einsum("MD,ED->ME", x_MD, router_ED)
