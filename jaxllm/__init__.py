@@ -20,7 +20,8 @@ from jaxllm.loader import load
 from jaxllm.model import decode_step, forward, prefill
 from jaxllm.params import Params, init_params
 from jaxllm.sampling import sample
-from jaxllm.trace import summarize, trace, trace_steady
+from jaxllm import trace
+from jaxllm.trace import summarize, trace_steady
 
 
 def load_tokenizer(path=None):

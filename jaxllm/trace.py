@@ -12,6 +12,9 @@ carries the `jax.named_scope` path of every instruction.
 `compile_count` / `check_recompile` are the hook around calls of jitted entry points: the first
 compilation of a function for a model is expected, each later new shape gets one
 `RecompileWarning` naming it.
+
+The module is callable: `jaxllm.trace(dir)` is `jaxllm.trace.trace(dir)`, so the context manager
+and the module's other names (`jaxllm.trace.summarize`) live under one name without shadowing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import gzip
 import json
 import os
 import re
+import sys
 import threading
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, NamedTuple
@@ -513,3 +518,11 @@ def compiled_shapes(name: str, group: Hashable = None) -> list[str]:
     """The shapes `name` has compiled for in this process, in order."""
     with _lock:
         return list(_shapes.get((name, group), []))
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, log_dir, **kwargs):
+        return trace(log_dir, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
