@@ -42,9 +42,10 @@ import jax
 def profile_options(detail: bool = False) -> jax.profiler.ProfileOptions:
     """Profiler options: lean by default; `detail` adds Python call stacks and verbose host events.
 
-    Device kernels are always recorded one by one: XLA runs its command buffers (CUDA graphs)
-    kernel by kernel while a profiler is attached, unless the process was started with
-    `--xla_enable_command_buffers_during_profiling=true`; see `docs/tracing.md`.
+    Device kernels are recorded one by one either way, also those XLA replays from a command
+    buffer (CUDA graph): CUPTI reports each kernel of a graph, labelled with the buffer as its op,
+    and `summarize` maps them back to their instructions. The CUPTI option that records a graph as
+    one event (`gpu_enable_cupti_activity_graph_trace`) would hide those kernels; it is not used.
     """
     opts = jax.profiler.ProfileOptions()
     # The Python tracer records every Python call: large traces and host time that is not ours.
@@ -171,11 +172,16 @@ class Summary(list):
 PHASES = ("prefill", "decode")
 BLOCKS = ("attention", "mlp", "moe", "router", "experts", "lm_head", "sampling")
 _LAYER = re.compile(r"layer_\d+$")
-_CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
-_CONTAINER_NAME = re.compile(r"^(while|conditional|call)\b", re.IGNORECASE)
 # Components of an op_name path that say how JAX traced it, not where in the model it is.
 _NOISE = re.compile(r"^(jit|pjit|jvp|transpose|vmap|remat|checkpoint|shard_map|custom_jvp_call|"
                     r"custom_vjp_call)\(.*\)$|^(while|body|cond|branch_\d+|closed_call|core_call)$")
+# Loops and calls span their body's ops (which may run on other threads): the body is counted.
+_CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
+_CONTAINER_NAME = re.compile(r"^(while|conditional|call)\b", re.IGNORECASE)
+# Instructions that launch no kernel of their own.
+_NO_KERNEL = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all",
+              "add-dependency", "opt-barrier", "partition-id", "replica-id", "domain", *_CONTAINERS}
+_COMMAND_BUFFER = re.compile(r"^command_buffer")
 
 
 def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
@@ -186,19 +192,19 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
     it, and loops and calls are left out: their bodies' ops are counted instead.
     """
     run_dir, json_files = _trace_files(Path(trace_dir))
-    hlo = _hlo_scopes(run_dir)
+    modules = _hlo_modules(run_dir)
     times: dict[tuple[str, str], float] = collections.defaultdict(float)
     device = False
     for f in json_files:
         with gzip.open(f, "rt") as fh:
             events = json.load(fh).get("traceEvents", [])
-        t, on_device = _op_times(events)
+        timed, on_device = _own_times(events)
         device |= on_device
-        for key, secs in t.items():
-            scope, opcode = hlo.get(key[0], {}).get(key[1], ("", ""))
-            if opcode in _CONTAINERS or (not opcode and _CONTAINER_NAME.match(key[1])):
+        for (module, op), secs in _attribute(timed, modules).items():
+            opcode = modules[module].opcode(op) if module in modules else ""
+            if opcode in _CONTAINERS or (not opcode and _CONTAINER_NAME.match(op)):
                 continue
-            times[key] += secs
+            times[(module, op)] += secs
     total = sum(times.values())
     if total <= 0:
         raise ValueError(f"no XLA op events in the trace at {trace_dir}: was anything run inside it?")
@@ -206,7 +212,7 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
     layers: dict[str, float] = collections.defaultdict(float)
     rows = []
     for (module, op), secs in times.items():
-        scope = hlo.get(module, {}).get(op, ("", ""))[0]
+        scope = modules[module].scope(op) if module in modules else ""
         parts = scope.split("/") if scope else []
         scoped[next((p for p in parts if p in PHASES), "other phase")] += secs / total
         scoped[next((p for p in reversed(parts) if p in BLOCKS), "other block")] += secs / total
@@ -223,7 +229,7 @@ def _fmt_s(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
 
 
-def _trace_files(path: Path) -> tuple[Path | None, list[Path]]:
+def _trace_files(path: Path) -> tuple[Path, list[Path]]:
     if path.is_file():
         return path.parent, [path]
     run = path
@@ -231,14 +237,20 @@ def _trace_files(path: Path) -> tuple[Path | None, list[Path]]:
     if runs:
         run = max(runs, key=lambda p: p.stat().st_mtime)
     # One trace.json.gz per host; perfetto_trace.json.gz holds the same events again.
-    files = sorted(f for f in run.glob("*.trace.json.gz"))
+    files = sorted(run.glob("*.trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no *.trace.json.gz under {path}: not a jaxllm.trace directory")
     return run, files
 
 
-def _op_times(events: list[dict]) -> tuple[dict[tuple[str, str], float], bool]:
-    """Own time (seconds) of each (hlo module, op) in Chrome trace events; and whether on a device."""
+def _own_times(events: list[dict]) -> tuple[list[tuple[dict, float]], bool]:
+    """The op events of a Chrome trace with their own time in seconds; and whether on a device.
+
+    On a GPU (or TPU) the ops are the kernels and copies on the device's stream lines; its other
+    lines (XLA Ops, XLA Modules, steps) are derived from them and would count them again. On a CPU,
+    XLA's thunks run on host threads and each event names its HLO op. An event's own time excludes
+    the events nested in it on the same line.
+    """
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
@@ -246,19 +258,12 @@ def _op_times(events: list[dict]) -> tuple[dict[tuple[str, str], float], bool]:
     device_pids = {pid for pid, name in procs.items() if name.startswith("/device:")}
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     if device_pids:
-        # Kernels and copies sit on the stream lines; other lines of a device (XLA Ops, XLA
-        # Modules, name scopes, steps) are derived from them and would count them again.
-        def keep(e):
-            return e["pid"] in device_pids and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")
+        chosen = [e for e in complete if e["pid"] in device_pids
+                  and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+        chosen = chosen or [e for e in complete if e["pid"] in device_pids]
     else:
-        def keep(e):  # CPU: XLA's thunks run on host threads, each event names its HLO op
-            return "hlo_op" in e.get("args", {})
-    chosen = [e for e in complete if keep(e)]
-    if device_pids and not chosen:
-        def keep(e):
-            return e["pid"] in device_pids
-        chosen = [e for e in complete if keep(e)]
-    times: dict[tuple[str, str], float] = collections.defaultdict(float)
+        chosen = [e for e in complete if "hlo_op" in e.get("args", {})]
+    out: list[tuple[dict, float]] = []
     by_line = collections.defaultdict(list)
     for e in chosen:
         by_line[(e["pid"], e.get("tid"))].append(e)
@@ -269,34 +274,134 @@ def _op_times(events: list[dict]) -> tuple[dict[tuple[str, str], float], bool]:
             start, end = e["ts"], e["ts"] + e["dur"]
             while stack and stack[-1][0] <= start:
                 _, done, own = stack.pop()
-                times[_op_key(done)] += own
+                out.append((done, own))
             if stack:  # nested: its time is not its parent's own time
                 stack[-1][2] -= min(end, stack[-1][0]) - start
             stack.append([end, e, e["dur"]])
-        for _, done, own in stack:
-            times[_op_key(done)] += own
+        out.extend((done, own) for _, done, own in stack)
     # Chrome trace events are in microseconds.
-    return {k: max(v, 0.0) * 1e-6 for k, v in times.items()}, bool(device_pids)
+    return [(e, max(own, 0.0) * 1e-6) for e, own in out], bool(device_pids)
 
 
-def _op_key(e: dict) -> tuple[str, str]:
-    args = e.get("args", {})
-    return args.get("hlo_module", ""), args.get("hlo_op") or e["name"]
+def _attribute(timed: list[tuple[dict, float]], modules: dict[str, "_Module"]
+               ) -> dict[tuple[str, str], float]:
+    """Seconds per (hlo module, instruction), command-buffer kernels traced back to theirs.
+
+    A kernel replayed from an XLA command buffer (a CUDA graph) is recorded with the buffer as its
+    op (`command_buffer_81`). Its name is that of the fusion it was compiled for, but XLA reuses
+    one kernel for identical fusions (the same norm in every layer), so the name alone would put
+    every layer's time on layer 0. One replay's kernels run in the order of the computation's
+    schedule: aligning the two sequences gives each kernel its own instruction.
+    """
+    times: dict[tuple[str, str], float] = collections.defaultdict(float)
+    replays: dict[tuple, list[tuple[dict, float]]] = collections.defaultdict(list)
+    for e, secs in timed:
+        args = e.get("args", {})
+        module, op = args.get("hlo_module", ""), args.get("hlo_op", "")
+        if _COMMAND_BUFFER.match(op):
+            replays[(e["pid"], e.get("tid"), module, op, args.get("correlation_id"))].append((e, secs))
+        else:
+            times[(module, op or e["name"])] += secs
+    for (_, _, module, op, _), items in replays.items():
+        items.sort(key=lambda item: item[0]["ts"])
+        kernels = tuple(e["name"] for e, _ in items)
+        mod = modules.get(module)
+        names = mod.align(kernels) if mod else [None] * len(kernels)
+        for (e, secs), name in zip(items, names):
+            times[(module, name or (mod.by_kernel_name(e["name"]) if mod else None) or e["name"])] += secs
+    return times
 
 
-# --- the HLO stored in the xplane file: instruction name -> named-scope path --------------------
+# --- the HLO stored in the xplane file ----------------------------------------------------------
 # A minimal protobuf reader: the XSpace proto (tsl/profiler/protobuf/xplane.proto) and HloProto
 # (xla/service/hlo.proto) field numbers below are stable parts of the on-disk format.
 
 
-def _hlo_scopes(run_dir: Path) -> dict[str, dict[str, tuple[str, str]]]:
-    """{hlo module name: {instruction name: (scope path, opcode)}} from the run's `*.xplane.pb`."""
-    out: dict[str, dict[str, tuple[str, str]]] = {}
+def _kernel_class(kernel: str) -> str:
+    """'loop_convert_fusion_4' -> 'loop_convert_fusion': kernels are named after their fusion."""
+    return re.sub(r"_\d+$", "", kernel)
+
+
+def _instr_class(name: str) -> str:
+    """'loop_convert_fusion.4' -> 'loop_convert_fusion', spelled as kernel names are."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", re.sub(r"\.\d+$", "", name))
+
+
+class _Module:
+    """One compiled HLO module: each instruction's scope and opcode, and the kernel order."""
+
+    def __init__(self, name: str, instrs: dict[str, tuple[str, str]], schedules: list[list[str]]):
+        self.name = name
+        self.instrs = instrs  # instruction -> (scope, opcode)
+        # Per scheduled computation, its kernel-launching instructions in execution order.
+        self.schedules = [[n for n in seq if instrs.get(n, ("", ""))[1] not in _NO_KERNEL]
+                          for seq in schedules]
+        self._kernels = {_SANITIZE.sub("_", n): n for n in instrs}
+        self._aligned: dict[tuple[str, ...], list[str | None]] = {}
+
+    def scope(self, op: str) -> str:
+        return self.instrs.get(op, ("", ""))[0]
+
+    def opcode(self, op: str) -> str:
+        return self.instrs.get(op, ("", ""))[1]
+
+    def by_kernel_name(self, kernel: str) -> str | None:
+        return self._kernels.get(kernel)
+
+    def align(self, kernels: tuple[str, ...], lookahead: int = 4) -> list[str | None]:
+        """The instruction of each kernel of one command-buffer replay (None where unsure).
+
+        Tries each scheduled computation and start; a kernel matches the next instruction of its
+        class within `lookahead` (library and copy kernels match nothing). The best placement
+        must be unique and match at least 90% of the kernels that could match.
+        """
+        if kernels in self._aligned:
+            return self._aligned[kernels]
+        classes = [_kernel_class(k) for k in kernels]
+        known = {_instr_class(n) for n in self.instrs}
+        matchable = sum(c in known for c in classes)
+        best: tuple[int, list | None] = (0, None)
+        tied = False
+        anchor = next((i for i, c in enumerate(classes) if c in known), None)
+        for seq in self.schedules if anchor is not None else []:
+            seq_classes = [_instr_class(n) for n in seq]
+            for start in range(len(seq)):
+                if seq_classes[start] != classes[anchor]:
+                    continue
+                placed: list[str | None] = [None] * len(kernels)
+                j, score = start, 0
+                for i in range(anchor, len(kernels)):
+                    for d in range(lookahead):
+                        if j + d < len(seq) and seq_classes[j + d] == classes[i]:
+                            placed[i], j, score = seq[j + d], j + d + 1, score + 1
+                            break
+                if score > best[0]:
+                    best, tied = (score, placed), False
+                elif score == best[0] and placed != best[1]:
+                    tied = True
+        ok = best[1] is not None and not tied and best[0] >= 0.9 * matchable
+        result = best[1] if ok else [None] * len(kernels)
+        self._aligned[kernels] = result
+        return result
+
+
+_SANITIZE = re.compile(r"[^A-Za-z0-9_]")
+
+
+def _hlo_modules(run_dir: Path) -> dict[str, _Module]:
+    """{hlo module name: _Module} from the run's `*.xplane.pb` files (the profiler stores the HLO
+    of every program it saw run); empty if there is none or it cannot be read."""
+    out: dict[str, _Module] = {}
     for f in sorted(run_dir.glob("*.xplane.pb")):
         try:
             for module_proto in _hlo_protos(memoryview(f.read_bytes())):
-                name, scopes = _module_scopes(module_proto)
-                out.setdefault(name, {}).update(scopes)
+                module = _read_module(module_proto)
+                if module.name in out:  # several programs of one name: keep every instruction
+                    out[module.name].instrs.update(module.instrs)
+                    out[module.name].schedules += module.schedules
+                    out[module.name]._kernels.update(module._kernels)
+                else:
+                    out[module.name] = module
         except (ValueError, IndexError, UnicodeDecodeError):
             continue  # a format we cannot read: ops are still listed, only without scopes
     return out
@@ -344,7 +449,22 @@ def _str(v) -> str:
     return bytes(v).decode()
 
 
+def _packed(values) -> list[int]:
+    """A repeated int64 field, packed (one bytes value) or not."""
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        j = 0
+        while j < len(v):
+            x, j = _varint(v, j)
+            out.append(x)
+    return out
+
+
 def _hlo_protos(xspace) -> Iterator[Any]:
+    """The serialized HloModuleProto of each program in an XSpace's /host:metadata plane."""
     for field, plane in _fields(xspace):
         if field != 1:  # XSpace.planes
             continue
@@ -363,21 +483,8 @@ def _hlo_protos(xspace) -> Iterator[Any]:
                     yield _message(s[6][0])[1][0]  # HloProto.hlo_module
 
 
-def _packed(values) -> list[int]:
-    out = []
-    for v in values:
-        if isinstance(v, int):
-            out.append(v)
-            continue
-        j = 0
-        while j < len(v):
-            x, j = _varint(v, j)
-            out.append(x)
-    return out
-
-
-def _module_scopes(module_proto) -> tuple[str, dict[str, tuple[str, str]]]:
-    """(module name, {instruction: (scope, opcode)}) of an HloModuleProto.
+def _read_module(module_proto) -> _Module:
+    """An HloModuleProto's instructions (scope, opcode) and schedule.
 
     Backend passes drop the metadata of some instructions (CPU dot fusions, library calls). Such
     an instruction takes the most common scope of the instructions it calls, else the scope
@@ -388,7 +495,7 @@ def _module_scopes(module_proto) -> tuple[str, dict[str, tuple[str, str]]]:
     comps: dict[int, list[int]] = {}  # computation id -> instruction ids
     instrs: dict[int, tuple[str, str, list[int], list[int]]] = {}  # id -> (name, scope, operands, called)
     opcodes: dict[int, str] = {}
-    plain: set[int] = set()
+    tracing_only: set[int] = set()
     for comp in m[3]:  # HloModuleProto.computations
         c = _message(comp)
         ids = comps.setdefault(c[5][0] if c[5] else -len(comps) - 1, [])  # HloComputationProto.id
@@ -402,7 +509,7 @@ def _module_scopes(module_proto) -> tuple[str, dict[str, tuple[str, str]]]:
             instrs[iid] = (_str(i[1][0]), _clean_scope(op_name), _packed(i[36]), _packed(i[38]))
             opcodes[iid] = _str(i[2][0])  # HloInstructionProto.opcode
             if op_name and not instrs[iid][1]:
-                plain.add(iid)  # metadata that names only JAX's tracing (a while loop): no fallback
+                tracing_only.add(iid)  # metadata that names only JAX's tracing (a while loop)
             ids.append(iid)
 
     def called_scopes(comp_ids, depth: int) -> collections.Counter:
@@ -422,7 +529,7 @@ def _module_scopes(module_proto) -> tuple[str, dict[str, tuple[str, str]]]:
         if iid in resolved:
             return resolved[iid]
         _, scope, operands, called = instrs[iid]
-        if iid in plain:
+        if iid in tracing_only:
             return ""
         if not scope and called:
             common = called_scopes(called, 0).most_common(1)
@@ -438,7 +545,14 @@ def _module_scopes(module_proto) -> tuple[str, dict[str, tuple[str, str]]]:
             resolved[iid] = scope
         return scope
 
-    return name, {instrs[iid][0]: (resolve(iid), opcodes[iid]) for iid in instrs}
+    schedules = []
+    if m[7]:  # HloModuleProto.schedule -> HloScheduleProto.sequences: map<computation id, sequence>
+        for entry in _message(m[7][0])[1]:
+            e = _message(entry)
+            if e[2]:
+                seq = _packed(_message(e[2][0])[1])  # InstructionSequence.instruction_ids
+                schedules.append([instrs[i][0] for i in seq if i in instrs])
+    return _Module(name, {instrs[i][0]: (resolve(i), opcodes[i]) for i in instrs}, schedules)
 
 
 def _clean_scope(op_name: str) -> str:

@@ -97,6 +97,34 @@ def test_summary_lists_real_ops_with_their_scopes(traced):
     assert top[0].name in text and "attention" in text and "%" in text
 
 
+def test_kernels_replayed_from_a_command_buffer_get_their_own_layer():
+    # As recorded on a GPU: each kernel of a CUDA-graph replay names the buffer as its op, and XLA
+    # compiled one kernel for both layers' identical fusions, so the names repeat.
+    from jaxllm.trace import _attribute, _Module
+    scopes = {"loop_add_fusion": "decode/layer_0/attention/add",
+              "input_reduce_fusion": "decode/layer_0/mlp/dot",
+              "loop_add_fusion.1": "decode/layer_1/attention/add",
+              "input_reduce_fusion.1": "decode/layer_1/mlp/dot",
+              "custom-call.1": "decode/layer_0/mlp/dot_general", "p": "", "while.1": ""}
+    opcodes = {"custom-call.1": "custom-call", "p": "parameter", "while.1": "while"}
+    schedule = ["p", "loop_add_fusion", "input_reduce_fusion", "custom-call.1", "loop_add_fusion.1",
+                "input_reduce_fusion.1"]
+    module = _Module("jit_step", {n: (sc, opcodes.get(n, "fusion")) for n, sc in scopes.items()},
+                     [schedule, ["while.1"]])
+    kernels = ["loop_add_fusion", "input_reduce_fusion", "sm90_xmma_gemm_bf16", "loop_add_fusion",
+               "input_reduce_fusion"]
+    timed = [({"name": k, "ts": float(t), "pid": 1, "tid": 7,
+               "args": {"hlo_module": "jit_step", "hlo_op": "command_buffer_3", "correlation_id": str(step)}},
+              1e-6 * (t + 1))
+             for step in range(2) for t, k in enumerate(kernels)]
+    times = _attribute(timed, {"jit_step": module})
+    us = 1e-6
+    assert times == pytest.approx({
+        ("jit_step", "loop_add_fusion"): 2 * us, ("jit_step", "input_reduce_fusion"): 4 * us,
+        ("jit_step", "sm90_xmma_gemm_bf16"): 6 * us,  # a library kernel keeps its own name
+        ("jit_step", "loop_add_fusion.1"): 8 * us, ("jit_step", "input_reduce_fusion.1"): 10 * us})
+
+
 def test_detail_trace_is_harmless_on_cpu(tmp_path):
     params = jaxllm.init_params(tiny_config(96), jax.random.key(0), jnp.float32)
     tokens = jnp.asarray([[1, 2, 3]])
