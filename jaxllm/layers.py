@@ -4,6 +4,8 @@ No parameters objects here: every function takes arrays and returns arrays, so t
 runs unsharded, inside `shard_map` (where N, K, F are per-device counts) and in tests.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -14,6 +16,30 @@ def rms_norm(x, weight, eps: float):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
+
+
+# How a projection with one row of activations (batch-1 decode) is computed: "reduce" writes it as
+# a float32 multiply + row reduction, which XLA emits as a bandwidth-bound reduction kernel; "dot"
+# leaves it to XLA's GEMM emitter, whose [8, 64] output tiles streamed the 8B shape's gate/up and
+# down weights at ~2 TB/s on an H200. JAXLLM_GEMV overrides it for benchmarking.
+GEMV = os.environ.get("JAXLLM_GEMV", "reduce")
+
+
+def project(x_TC, w_OC, out_dtype=None):
+    """x [..., C] @ w [O..., C]^T -> [..., O...]: every weight keeps its contraction axes minor.
+
+    Axes of w before the last are outputs; a w whose last several axes are contracted is passed
+    reshaped (a free reshape of a row-major array). Accumulates in float32.
+    """
+    C = x_TC.shape[-1]
+    lead, outs = x_TC.shape[:-1], w_OC.shape[:-1]
+    x_MC, w_NC = x_TC.reshape(-1, C), w_OC.reshape(-1, C)
+    out_dtype = out_dtype or x_TC.dtype
+    if x_MC.shape[0] == 1 and GEMV == "reduce":
+        y_MN = jnp.sum(x_MC.astype(jnp.float32) * w_NC.astype(jnp.float32), axis=-1)[None]
+    else:
+        y_MN = jnp.einsum("MC,NC->MN", x_MC, w_NC, preferred_element_type=jnp.float32)
+    return y_MN.astype(out_dtype).reshape(*lead, *outs)
 
 
 def rope(x_BTNH, positions_BT, inv_freq, scale: float = 1.0):
@@ -59,9 +85,9 @@ def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS):
 
 def mlp(x_BTD, w_gate_up_JFD, w_down_DF):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one fused matrix (J = 2)."""
-    gate_up_BTJF = jnp.einsum("BTD,JFD->BTJF", x_BTD, w_gate_up_JFD)
+    gate_up_BTJF = project(x_BTD, w_gate_up_JFD)
     hidden_BTF = jax.nn.silu(gate_up_BTJF[:, :, 0]) * gate_up_BTJF[:, :, 1]
-    return jnp.einsum("BTF,DF->BTD", hidden_BTF, w_down_DF)
+    return project(hidden_BTF, w_down_DF)
 
 
 # Mixture of experts. Two more letters for routed tokens: M = B*T tokens in one row, and

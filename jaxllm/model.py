@@ -22,7 +22,7 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cach
                      mask_BTS, inv_freq, rope_scale):
     """Self-attention of T new tokens over the cache; returns (out_BTD, k_cache, v_cache)."""
     G = cfg.q_per_kv
-    qkv_BTKJH = jnp.einsum("BTD,KJHD->BTKJH", h_BTD, layer.wqkv)
+    qkv_BTKJH = L.project(h_BTD, layer.wqkv)
     if layer.bqkv is not None:
         qkv_BTKJH = qkv_BTKJH + layer.bqkv
     B, T, K, _, H = qkv_BTKJH.shape
@@ -39,7 +39,8 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cach
     v_cache = jax.lax.dynamic_update_slice(
         v_cache, v_BTKH.transpose(0, 2, 1, 3).astype(v_cache.dtype), (zero, zero, cursor, zero))
     out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS)
-    out_BTD = jnp.einsum("BTKGH,DKGH->BTD", out_BTKGH, layer.wo)
+    # One flat contraction over (K, G, H): given as three axes, XLA transposed all of wo per step.
+    out_BTD = L.project(out_BTKGH.reshape(B, T, K * G * H), layer.wo.reshape(layer.wo.shape[0], -1))
     if layer.bo is not None:
         out_BTD = out_BTD + layer.bo
     return out_BTD, k_cache, v_cache
@@ -87,7 +88,7 @@ def logits(params: Params, x_BTD):
     with jax.named_scope("lm_head"):
         x_BTD = L.rms_norm(x_BTD, params.final_norm, params.config.rms_norm_eps)
         head_VD = params.embed if params.lm_head is None else params.lm_head
-        return jnp.einsum("BTD,VD->BTV", x_BTD, head_VD, preferred_element_type=jnp.float32)
+        return L.project(x_BTD, head_VD, jnp.float32)
 
 
 @jax.jit
