@@ -193,7 +193,7 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
     """
     run_dir, json_files = _trace_files(Path(trace_dir))
     modules = _hlo_modules(run_dir)
-    times: dict[tuple[str, str], float] = collections.defaultdict(float)
+    times: dict[tuple[_Module | None, str], float] = collections.defaultdict(float)
     device = False
     for f in json_files:
         with gzip.open(f, "rt") as fh:
@@ -201,7 +201,7 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
         timed, on_device = _own_times(events)
         device |= on_device
         for (module, op), secs in _attribute(timed, modules).items():
-            opcode = modules[module].opcode(op) if module in modules else ""
+            opcode = module.opcode(op) if module else ""
             if opcode in _CONTAINERS or (not opcode and _CONTAINER_NAME.match(op)):
                 continue
             times[(module, op)] += secs
@@ -212,7 +212,7 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
     layers: dict[str, float] = collections.defaultdict(float)
     rows = []
     for (module, op), secs in times.items():
-        scope = modules[module].scope(op) if module in modules else ""
+        scope = module.scope(op) if module else ""
         parts = scope.split("/") if scope else []
         scoped[next((p for p in parts if p in PHASES), "other phase")] += secs / total
         scoped[next((p for p in reversed(parts) if p in BLOCKS), "other block")] += secs / total
@@ -283,9 +283,13 @@ def _own_times(events: list[dict]) -> tuple[list[tuple[dict, float]], bool]:
     return [(e, max(own, 0.0) * 1e-6) for e, own in out], bool(device_pids)
 
 
-def _attribute(timed: list[tuple[dict, float]], modules: dict[str, "_Module"]
-               ) -> dict[tuple[str, str], float]:
-    """Seconds per (hlo module, instruction), command-buffer kernels traced back to theirs.
+def _attribute(timed: list[tuple[dict, float]], modules: dict[str, list["_Module"]]
+               ) -> dict[tuple["_Module | None", str], float]:
+    """Seconds per (compiled module, instruction), command-buffer kernels traced back to theirs.
+
+    Programs share names (prefill and decode are both `jit_step`), so each event is matched to
+    the program that has its op: by the op's unique id where the trace records it (GPU), else by
+    which program holds all the ops of one execution (`run_id`, CPU) or of the trace.
 
     A kernel replayed from an XLA command buffer (a CUDA graph) is recorded with the buffer as its
     op (`command_buffer_81`). Its name is that of the fusion it was compiled for, but XLA reuses
@@ -293,22 +297,38 @@ def _attribute(timed: list[tuple[dict, float]], modules: dict[str, "_Module"]
     every layer's time on layer 0. One replay's kernels run in the order of the computation's
     schedule: aligning the two sequences gives each kernel its own instruction.
     """
-    times: dict[tuple[str, str], float] = collections.defaultdict(float)
+    times: dict[tuple[_Module | None, str], float] = collections.defaultdict(float)
     replays: dict[tuple, list[tuple[dict, float]]] = collections.defaultdict(list)
+    runs: dict[tuple, list[tuple[dict, float]]] = collections.defaultdict(list)
     for e, secs in timed:
         args = e.get("args", {})
         module, op = args.get("hlo_module", ""), args.get("hlo_op", "")
         if _COMMAND_BUFFER.match(op):
             replays[(e["pid"], e.get("tid"), module, op, args.get("correlation_id"))].append((e, secs))
         else:
-            times[(module, op or e["name"])] += secs
-    for (_, _, module, op, _), items in replays.items():
+            runs[(module, args.get("run_id"))].append((e, secs))
+    for (module, _), items in runs.items():
+        variants = modules.get(module, [])
+        seen = {e.get("args", {}).get("hlo_op") or e["name"] for e, _ in items}
+        coverage = {id(v): len(seen & v.instrs.keys()) for v in variants}
+        for e, secs in items:
+            op = e.get("args", {}).get("hlo_op") or e["name"]
+            uid = e.get("args", {}).get("unique_hlo_op_id")
+            having = [v for v in variants if op in v.instrs]
+            if uid is not None and any(str(v.ids.get(op)) == str(uid) for v in having):
+                having = [v for v in having if str(v.ids.get(op)) == str(uid)]
+            best = max(having, key=lambda v: coverage[id(v)], default=None)
+            times[(best, op)] += secs
+    for (_, _, module, _, _), items in replays.items():
         items.sort(key=lambda item: item[0]["ts"])
         kernels = tuple(e["name"] for e, _ in items)
-        mod = modules.get(module)
-        names = mod.align(kernels) if mod else [None] * len(kernels)
-        for (e, secs), name in zip(items, names):
-            times[(module, name or (mod.by_kernel_name(e["name"]) if mod else None) or e["name"])] += secs
+        scored = [(v.align(kernels), v) for v in modules.get(module, [])]
+        (score, placed), best = max(scored, key=lambda sv: sv[0][0], default=((0, None), None))
+        for i, (e, secs) in enumerate(items):
+            name = placed[i] if placed else None
+            if name is None and best is not None:
+                name = best.by_kernel_name(e["name"])
+            times[(best, name or e["name"])] += secs
     return times
 
 
@@ -330,14 +350,16 @@ def _instr_class(name: str) -> str:
 class _Module:
     """One compiled HLO module: each instruction's scope and opcode, and the kernel order."""
 
-    def __init__(self, name: str, instrs: dict[str, tuple[str, str]], schedules: list[list[str]]):
+    def __init__(self, name: str, instrs: dict[str, tuple[str, str]], schedules: list[list[str]],
+                 ids: dict[str, int] | None = None):
         self.name = name
         self.instrs = instrs  # instruction -> (scope, opcode)
+        self.ids = ids or {}  # instruction -> its unique id (the trace's `unique_hlo_op_id`)
         # Per scheduled computation, its kernel-launching instructions in execution order.
         self.schedules = [[n for n in seq if instrs.get(n, ("", ""))[1] not in _NO_KERNEL]
                           for seq in schedules]
         self._kernels = {_SANITIZE.sub("_", n): n for n in instrs}
-        self._aligned: dict[tuple[str, ...], list[str | None]] = {}
+        self._aligned: dict[tuple[str, ...], tuple[int, list[str | None] | None]] = {}
 
     def scope(self, op: str) -> str:
         return self.instrs.get(op, ("", ""))[0]
@@ -348,12 +370,12 @@ class _Module:
     def by_kernel_name(self, kernel: str) -> str | None:
         return self._kernels.get(kernel)
 
-    def align(self, kernels: tuple[str, ...], lookahead: int = 4) -> list[str | None]:
-        """The instruction of each kernel of one command-buffer replay (None where unsure).
+    def align(self, kernels: tuple[str, ...], lookahead: int = 4) -> tuple[int, list[str | None] | None]:
+        """(kernels matched, the instruction of each kernel) of one command-buffer replay.
 
         Tries each scheduled computation and start; a kernel matches the next instruction of its
         class within `lookahead` (library and copy kernels match nothing). The best placement
-        must be unique and match at least 90% of the kernels that could match.
+        must be unique and match at least 90% of the kernels that could match, else it is None.
         """
         if kernels in self._aligned:
             return self._aligned[kernels]
@@ -380,7 +402,7 @@ class _Module:
                 elif score == best[0] and placed != best[1]:
                     tied = True
         ok = best[1] is not None and not tied and best[0] >= 0.9 * matchable
-        result = best[1] if ok else [None] * len(kernels)
+        result = (best[0], best[1]) if ok else (0, None)
         self._aligned[kernels] = result
         return result
 
@@ -388,23 +410,18 @@ class _Module:
 _SANITIZE = re.compile(r"[^A-Za-z0-9_]")
 
 
-def _hlo_modules(run_dir: Path) -> dict[str, _Module]:
-    """{hlo module name: _Module} from the run's `*.xplane.pb` files (the profiler stores the HLO
-    of every program it saw run); empty if there is none or it cannot be read."""
-    out: dict[str, _Module] = {}
+def _hlo_modules(run_dir: Path) -> dict[str, list[_Module]]:
+    """{hlo module name: its compiled programs} from the run's `*.xplane.pb` files (the profiler
+    stores the HLO of every program of the process); empty if there is none or it is unreadable."""
+    out: dict[str, list[_Module]] = collections.defaultdict(list)
     for f in sorted(run_dir.glob("*.xplane.pb")):
         try:
             for module_proto in _hlo_protos(memoryview(f.read_bytes())):
                 module = _read_module(module_proto)
-                if module.name in out:  # several programs of one name: keep every instruction
-                    out[module.name].instrs.update(module.instrs)
-                    out[module.name].schedules += module.schedules
-                    out[module.name]._kernels.update(module._kernels)
-                else:
-                    out[module.name] = module
+                out[module.name].append(module)
         except (ValueError, IndexError, UnicodeDecodeError):
             continue  # a format we cannot read: ops are still listed, only without scopes
-    return out
+    return dict(out)
 
 
 def _varint(b, i: int) -> tuple[int, int]:
@@ -552,7 +569,8 @@ def _read_module(module_proto) -> _Module:
             if e[2]:
                 seq = _packed(_message(e[2][0])[1])  # InstructionSequence.instruction_ids
                 schedules.append([instrs[i][0] for i in seq if i in instrs])
-    return _Module(name, {instrs[i][0]: (resolve(i), opcodes[i]) for i in instrs}, schedules)
+    return _Module(name, {instrs[i][0]: (resolve(i), opcodes[i]) for i in instrs}, schedules,
+                   {instrs[i][0]: i for i in instrs})
 
 
 def _clean_scope(op_name: str) -> str:

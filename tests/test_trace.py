@@ -97,6 +97,26 @@ def test_summary_lists_real_ops_with_their_scopes(traced):
     assert top[0].name in text and "attention" in text and "%" in text
 
 
+def test_programs_of_one_name_are_told_apart(tmp_path):
+    # The prefill and the decode step are both the program `jit_step`, and many op names occur in
+    # both: a trace of one must not borrow the other's scopes.
+    params = jaxllm.init_params(tiny_config(96), jax.random.key(0), jnp.float32)
+    tokens = jaxllm.stream(params, [1, 2, 3, 4, 5], max_new_tokens=12)  # cache of 16 + 16 slots
+    next(tokens), next(tokens)  # prefill and the first decode step compile outside the traces
+    with trace(tmp_path / "decode"):
+        assert len(list(tokens)) == 10
+    decode = summarize(tmp_path / "decode", top=None)
+    assert decode.scopes.get("prefill", 0) == 0 and decode.scopes["decode"] > 0.5
+
+    cache = jaxllm.init_cache(params.config, 1, 32, jnp.float32)
+    prompt = jnp.ones((1, 16), jnp.int32)
+    jax.block_until_ready(jaxllm.prefill(params, prompt, cache))  # the same program as stream's
+    with trace(tmp_path / "prefill"):
+        jax.block_until_ready(jaxllm.prefill(params, prompt, cache))
+    prefill = summarize(tmp_path / "prefill", top=None)
+    assert prefill.scopes.get("decode", 0) == 0 and prefill.scopes["prefill"] > 0.5
+
+
 def test_kernels_replayed_from_a_command_buffer_get_their_own_layer():
     # As recorded on a GPU: each kernel of a CUDA-graph replay names the buffer as its op, and XLA
     # compiled one kernel for both layers' identical fusions, so the names repeat.
@@ -117,12 +137,12 @@ def test_kernels_replayed_from_a_command_buffer_get_their_own_layer():
                "args": {"hlo_module": "jit_step", "hlo_op": "command_buffer_3", "correlation_id": str(step)}},
               1e-6 * (t + 1))
              for step in range(2) for t, k in enumerate(kernels)]
-    times = _attribute(timed, {"jit_step": module})
+    times = _attribute(timed, {"jit_step": [module]})
     us = 1e-6
     assert times == pytest.approx({
-        ("jit_step", "loop_add_fusion"): 2 * us, ("jit_step", "input_reduce_fusion"): 4 * us,
-        ("jit_step", "sm90_xmma_gemm_bf16"): 6 * us,  # a library kernel keeps its own name
-        ("jit_step", "loop_add_fusion.1"): 8 * us, ("jit_step", "input_reduce_fusion.1"): 10 * us})
+        (module, "loop_add_fusion"): 2 * us, (module, "input_reduce_fusion"): 4 * us,
+        (module, "sm90_xmma_gemm_bf16"): 6 * us,  # a library kernel keeps its own name
+        (module, "loop_add_fusion.1"): 8 * us, (module, "input_reduce_fusion.1"): 10 * us})
 
 
 def test_detail_trace_is_harmless_on_cpu(tmp_path):
