@@ -77,8 +77,8 @@ class Trace:
         lines = [f"trace written to {where}"]
         if self.perfetto_file:
             lines.append(f"  Perfetto: open https://ui.perfetto.dev and drop in {self.perfetto_file}")
-        lines.append(f"  XProf:    xprof --logdir {self.log_dir}   (or tensorboard --logdir {self.log_dir} "
-                     "with tensorboard-plugin-profile), then the URL it prints, Profile tab")
+        lines.append(f"  XProf:    xprof --logdir {self.log_dir} --port 8791, then http://localhost:8791 "
+                     "(pip install xprof)")
         return "\n".join(lines)
 
 
