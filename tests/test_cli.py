@@ -145,14 +145,16 @@ def test_trace_dir_writes_a_trace_of_the_decode_steps(tiny_model, tmp_path, caps
     assert str(tmp_path / "trace") in capsys.readouterr().err
 
 
-def test_default_model_generate():
+def test_default_model_generate_and_chat():
+    """The default model answers through both commands, the same way for the same first message.
+
+    The second process reuses the first one's compiled programs (persistent compile cache).
+    """
     r = run_cli("generate", "What is 2+2?", "--max-new-tokens", "8", entry="script")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stderr
 
-
-def test_default_model_chat():
-    r = run_cli("chat", "--max-new-tokens", "8", stdin="hi\n/exit\n")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip(), r.stderr
-    assert "Traceback" not in r.stderr
+    c = run_cli("chat", "--max-new-tokens", "8", stdin="What is 2+2?\n/exit\nnever sent\n")
+    assert c.returncode == 0, c.stderr
+    assert "Traceback" not in c.stderr
+    assert c.stdout == r.stdout
