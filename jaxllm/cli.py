@@ -70,8 +70,8 @@ def add_system_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-dir", default=None, metavar="DIR",
-                        help="write a profiler trace of the steady-state decode steps to DIR "
-                             "(see docs/tracing.md)")
+                        help="write a profiler trace of the steady-state decode steps to DIR, "
+                             "one per answer (see docs/tracing.md)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -134,10 +134,11 @@ def _tracer(trace_dir: str):
     return jax.profiler.trace(trace_dir)
 
 
-def _traced(tokens: Iterator[int], trace_dir: str | None, warmup: int = 2) -> Iterator[int]:
+def _traced(tokens: Iterator[int], trace_dir: str | None, notes: list[str], warmup: int = 2) -> Iterator[int]:
     """Pass the tokens through; trace from token `warmup` on, once prefill and decode are compiled.
 
     `stream` brings every token to the host, so the traced steps are complete when the trace ends.
+    Where the trace went is appended to `notes`, for after the answer.
     """
     if trace_dir is None:
         yield from tokens
@@ -150,12 +151,11 @@ def _traced(tokens: Iterator[int], trace_dir: str | None, warmup: int = 2) -> It
             count += 1
             yield token
     if count <= warmup:
-        print("jaxllm: the answer ended before the decode loop warmed up; no trace written", file=sys.stderr)
+        notes.append("jaxllm: the answer ended before the decode loop warmed up; no trace written")
     elif hasattr(info, "how_to_open"):
-        print(f"jaxllm: decode steps from token {warmup} on: {info.how_to_open()}", file=sys.stderr)
+        notes.append(f"jaxllm: decode steps from token {warmup} on: {info.how_to_open()}")
     else:
-        print(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}",
-              file=sys.stderr)
+        notes.append(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}")
 
 
 def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: str | None = None) -> str:
@@ -165,9 +165,9 @@ def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: 
     out = out or sys.stdout
     stops = stop_ids(params, tok)
     detok = tok.stream()
-    pieces = []
+    pieces, notes = [], []
     # `stream` ends after a stop token, which is not shown; running it out lets the trace close.
-    for token in _traced(jaxllm.stream(params, ids, eos_token_ids=stops, **kwargs), trace_dir):
+    for token in _traced(jaxllm.stream(params, ids, eos_token_ids=stops, **kwargs), trace_dir, notes):
         if token in stops:
             continue
         piece = detok.push(token)
@@ -178,6 +178,8 @@ def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: 
     tail = detok.flush()
     out.write(tail + "\n")
     out.flush()
+    for note in notes:
+        print(note, file=sys.stderr)
     pieces.append(tail)
     return "".join(pieces)
 
@@ -227,6 +229,7 @@ def add_chat(subparsers) -> None:
                                           "end of input (Ctrl-D) ends.")
     add_model_args(p)
     add_system_arg(p)
+    add_trace_arg(p)
     add_sampling_args(p)
     p.set_defaults(run=run_chat)
 
@@ -262,7 +265,7 @@ def run_chat(args: argparse.Namespace) -> int:
         messages = system + history + [{"role": "user", "content": text}]
         try:
             # Re-rendering the whole history each turn is simple and always what the template means.
-            answer = stream_text(params, tok, encode_chat(tok, messages), kwargs)
+            answer = stream_text(params, tok, encode_chat(tok, messages), kwargs, trace_dir=args.trace_dir)
         except ValueError as e:  # e.g. the history outgrew the context: keep the session alive
             print(f"jaxllm: {e} (/reset clears the history)", file=sys.stderr)
             continue
