@@ -9,6 +9,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxllm.quant import QuantizedWeight
+
 
 def rms_norm(x, weight, eps: float):
     """RMSNorm over the last axis, as transformers: statistics in float32, eps inside the rsqrt,
@@ -30,15 +32,25 @@ def project(x_TC, w_OC, out_dtype=None):
 
     Axes of w before the last are outputs; a w whose last several axes are contracted is passed
     reshaped (a free reshape of a row-major array). Accumulates in float32.
+    A `QuantizedWeight` is contracted as int8 values and its per-output scale applied to the
+    float32 result (exact, the scale being constant along C): in the reduce form the int8 -> f32
+    convert fuses into the reduction, so the kernel streams one byte per weight; in the dot form
+    the values convert exactly to x's dtype (|q| <= 127 fits bf16's mantissa) for the GEMM.
     """
     C = x_TC.shape[-1]
     lead, outs = x_TC.shape[:-1], w_OC.shape[:-1]
     x_MC, w_NC = x_TC.reshape(-1, C), w_OC.reshape(-1, C)
+    scale_N = None
+    if isinstance(w_NC, QuantizedWeight):
+        w_NC, scale_N = w_NC.q, w_NC.scale.reshape(-1)
     out_dtype = out_dtype or x_TC.dtype
     if x_MC.shape[0] == 1 and GEMV == "reduce":
         y_MN = jnp.sum(x_MC.astype(jnp.float32) * w_NC.astype(jnp.float32), axis=-1)[None]
     else:
+        w_NC = w_NC if scale_N is None else w_NC.astype(x_MC.dtype)
         y_MN = jnp.einsum("MC,NC->MN", x_MC, w_NC, preferred_element_type=jnp.float32)
+    if scale_N is not None:
+        y_MN = y_MN * scale_N
     return y_MN.astype(out_dtype).reshape(*lead, *outs)
 
 
@@ -147,11 +159,21 @@ def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
     RaggedDotRewriter also expands it into a dense dot over all E groups unless its cuDNN fusion
     is enabled (--xla_gpu_experimental_use_ragged_dot_fusion, cuDNN >= 9.22); the Pallas Mosaic
     GPU kernel jax.experimental.pallas.ops.gpu.ragged_dot_mgpu is the Hopper alternative.
+    A `QuantizedWeight` w multiplies its int8 values (converted to x's dtype) and scales each row
+    of the result by its group's per-output scales.
     """
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(x_RK, w_ENK, group_sizes_E, dims)
+    if not isinstance(w_ENK, QuantizedWeight):
+        return jax.lax.ragged_dot_general(x_RK, w_ENK, group_sizes_E, dims)
+    y_RN = jax.lax.ragged_dot_general(x_RK, w_ENK.q.astype(x_RK.dtype), group_sizes_E, dims,
+                                      preferred_element_type=jnp.float32)
+    # Row r is in group e when it is past the first e groups; rows past all groups (ids the
+    # caller masks) take the last group's scales.
+    group_R = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(x_RK.shape[0]), side="right")
+    scale_RN = w_ENK.scale[jnp.minimum(group_R, w_ENK.shape[0] - 1)]
+    return (y_RN * scale_RN).astype(x_RK.dtype)
 
 
 def _experts_ragged(x_MD, experts_MA, gate_up_EJFD, down_EDF):
