@@ -234,7 +234,8 @@ def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[n
     """Inverse frequencies [H_rot/2] (float32) and the cos/sin scale, as transformers computes them.
 
     `seq_len` matters only for "dynamic" NTK scaling, which stretches the base once the sequence
-    outgrows max_position_embeddings; jaxllm evaluates it at the cache length.
+    outgrows max_position_embeddings. The model passes none: jaxllm's sequences stay within the
+    context, where transformers uses the plain base too.
     """
     r = config.rope
     dim = int(config.head_dim * r.partial_rotary_factor)
