@@ -70,7 +70,7 @@ class SafetensorsReader(contextlib.ExitStack):
     def __init__(self, files: list[Path]):
         super().__init__()
         self.handles, self.shapes = {}, {}
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]  # this process's own (multi-host: not global 0)
         self._cpu = cpu
         for f in files:
             try:

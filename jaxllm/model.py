@@ -13,14 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import layers as L
+from jaxllm import sharding
 from jaxllm.cache import KVCache, init_cache
 from jaxllm.config import ModelConfig, rope_frequencies
 from jaxllm.params import Layer, Params
 
 
 def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cache, v_cache, cursor,
-                     mask_BTS, inv_freq, rope_scale):
-    """Self-attention of T new tokens over the cache; returns (out_BTD, k_cache, v_cache)."""
+                     mask_BTS, inv_freq, rope_scale, axis=None):
+    """Self-attention of T new tokens over the cache; returns (out_BTD, k_cache, v_cache).
+
+    With `axis` (inside shard_map), K is the device's KV heads and the output is psummed over it.
+    """
     G = cfg.q_per_kv
     qkv_BTKJH = L.project(h_BTD, layer.wqkv)
     if layer.bqkv is not None:
@@ -41,33 +45,43 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cach
     out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS)
     # One flat contraction over (K, G, H): given as three axes, XLA transposed all of wo per step.
     out_BTD = L.project(out_BTKGH.reshape(B, T, K * G * H), layer.wo.reshape(layer.wo.shape[0], -1))
+    if axis is not None and sharding.is_split(layer.wqkv.shape[0], cfg.num_kv_heads):
+        out_BTD = jax.lax.psum(out_BTD, axis)  # each device's heads add a part; the bias comes once
     if layer.bo is not None:
         out_BTD = out_BTD + layer.bo
     return out_BTD, k_cache, v_cache
 
 
-def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD):
+def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD, axis=None):
+    """Dense or MoE SwiGLU; with `axis`, F (or the experts) may be the device's part: psum then."""
+    split = (lambda local, total: axis is not None and sharding.is_split(local, total))
     if cfg.is_moe(i):
-        return L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
-                     cfg.experts_per_token, cfg.norm_topk_prob)
-    return L.mlp(h_BTD, layer.w_gate_up, layer.w_down)
+        experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
+        out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
+                        cfg.experts_per_token, cfg.norm_topk_prob,
+                        expert_axis=axis if experts_split else None)  # moe psums expert splits itself
+        partial = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
+    else:
+        out_BTD = L.mlp(h_BTD, layer.w_gate_up, layer.w_down)
+        partial = split(layer.w_down.shape[1], cfg.ffn_size)
+    return jax.lax.psum(out_BTD, axis) if partial else out_BTD
 
 
-def _hidden(params: Params, tokens_BT, cache: KVCache):
-    """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, new cache)."""
+def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None):
+    """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, new cache).
+
+    `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
+    """
     cfg = params.config
     T = tokens_BT.shape[1]
-    # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
-    # where transformers leaves the base alone; the cache length (left padding, bucket slack)
-    # says nothing about how far positions go.
-    inv_freq, rope_scale = rope_frequencies(cfg)
+    inv_freq, rope_scale = rope_frequencies(cfg, cache.length)
     inv_freq = jnp.asarray(inv_freq)
     q_slots_T = cache.cursor + jnp.arange(T, dtype=jnp.int32)
     # Left padding sits before start; its (unused) positions are clamped to 0.
     positions_BT = jnp.maximum(q_slots_T[None, :] - cache.start[:, None], 0)
     masks = {w: L.visible_mask(q_slots_T, cache.start, cache.length, w)
              for w in {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}}
-    x_BTD = params.embed[tokens_BT]
+    x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
     new_k, new_v = [], []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
@@ -75,11 +89,11 @@ def _hidden(params: Params, tokens_BT, cache: KVCache):
                 window = cfg.sliding_window if cfg.is_sliding(i) else None
                 h_BTD = L.rms_norm(x_BTD, layer.attn_norm, cfg.rms_norm_eps)
                 out_BTD, k, v = _attention_block(cfg, layer, h_BTD, positions_BT, cache.k[i], cache.v[i],
-                                                 cache.cursor, masks[window], inv_freq, rope_scale)
+                                                 cache.cursor, masks[window], inv_freq, rope_scale, axis)
                 x_BTD = x_BTD + out_BTD
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
                 x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm,
-                                                                      cfg.rms_norm_eps))
+                                                                      cfg.rms_norm_eps), axis)
         new_k.append(k)
         new_v.append(v)
     cache = cache.replace(k=new_k, v=new_v, cursor=cache.cursor + T)
@@ -94,22 +108,35 @@ def logits(params: Params, x_BTD):
         return L.project(x_BTD, head_VD, jnp.float32)
 
 
+def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
+    x_BTD, cache = _hidden(params, tokens_BT, cache, axis)
+    return logits(params, x_BTD), cache
+
+
 @jax.jit
 def _forward(params: Params, tokens_BT):
     B, T = tokens_BT.shape
     cache = init_cache(params.config, B, T, params.dtype)
-    x_BTD, _ = _hidden(params, tokens_BT, cache)
-    return logits(params, x_BTD)
+    if params.tp is not None:  # sharded: per device under shard_map, logits split over V
+        return sharding.shard_call(_forward_local, params, tokens_BT, cache, logits_ndim=3)[0]
+    return _forward_local(params, tokens_BT, cache)[0]
+
+
+def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None):
+    x_BTD, cache = _hidden(params, tokens_BT, cache, axis)
+    return logits(params, x_BTD[:, -1:])[:, 0], cache
 
 
 def step(params: Params, tokens_BT, cache: KVCache):
     """Pure step: write T tokens at the cursor, return (last-position logits [B, V], cache).
 
-    Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary.
+    Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary. Sharded
+    params (`params.tp`) run it per device under shard_map; the logits come back split over V.
     """
     with jax.named_scope("prefill" if tokens_BT.shape[1] > 1 else "decode"):
-        x_BTD, cache = _hidden(params, tokens_BT, cache)
-        return logits(params, x_BTD[:, -1:])[:, 0], cache
+        if params.tp is not None:
+            return sharding.shard_call(_step_local, params, tokens_BT, cache, logits_ndim=2)
+        return _step_local(params, tokens_BT, cache)
 
 
 def _donate_cache() -> tuple[int, ...]:

@@ -57,6 +57,8 @@ class Params:
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [V, D]; None when tied to embed
     config: ModelConfig = struct.field(pytree_node=False)
+    # None on one device; a `jaxllm.sharding.TensorParallel` (mesh and split axes) when sharded.
+    tp: Any = struct.field(pytree_node=False, default=None)
 
     @property
     def dtype(self):

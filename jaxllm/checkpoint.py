@@ -1,0 +1,198 @@
+"""Converted params as an orbax checkpoint: convert once, then restore onto any mesh.
+
+A checkpoint directory holds `jaxllm_config.json` (the ModelConfig) and `params/` (orbax, one
+tensorstore array per parameter, in the checkpoint layout: the config's own KV heads, never the
+repeated heads of a sharded layout). `restore` reads each device's slice straight from disk:
+every parameter is restored with its target sharding, so no device and no host ever holds a
+whole tensor, except that repeating KV heads reads each device's whole KV group of wqkv/bqkv
+and keeps its part. `jaxllm.load(directory, mesh=...)` calls `restore`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxllm import sharding
+from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.params import Params, abstract_params, layer_specs, top_specs
+
+CONFIG_FILE = "jaxllm_config.json"
+FORMAT = 1
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def _config_to_json(cfg: ModelConfig) -> dict:
+    return {"format": FORMAT, "config": dataclasses.asdict(cfg)}
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    if d.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {d.get('format')!r} is not {FORMAT}: convert it again")
+    c = dict(d["config"])
+    c["rope"] = RopeConfig(**c["rope"])
+    for key in ("sliding_layers", "moe_layers", "eos_token_ids"):
+        c[key] = tuple(c[key])
+    return ModelConfig(**c)
+
+
+def _to_tree(params: Params) -> dict:
+    """Params as nested dicts of arrays (orbax's native form), None fields left out."""
+    def fields(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                if f.name not in ("config", "tp") and getattr(obj, f.name) is not None}
+    tree = fields(params)
+    tree["layers"] = {str(i): fields(layer) for i, layer in enumerate(params.layers)}
+    return tree
+
+
+def _from_tree(tree: dict, template: Params) -> Params:
+    layers = [dataclasses.replace(layer, **tree["layers"][str(i)]) for i, layer in enumerate(template.layers)]
+    top = {k: v for k, v in tree.items() if k != "layers"}
+    return dataclasses.replace(template, layers=layers, **top)
+
+
+def save(params: Params, directory: str | os.PathLike) -> Path:
+    """Write params (on one device or sharded, without repeated KV heads) as a checkpoint."""
+    import orbax.checkpoint as ocp
+
+    if params.tp is not None and params.tp.kv_replicas > 1:
+        raise ValueError("these params repeat KV heads for their mesh; save them from a mesh whose "
+                         "tp size divides the KV heads (or from one device)")
+    directory = Path(directory).absolute()
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} exists and is not empty")
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(directory / "params", _to_tree(params))
+    if jax.process_index() == 0:
+        (directory / CONFIG_FILE).write_text(json.dumps(_config_to_json(params.config), indent=1))
+    return directory
+
+
+def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None) -> Path:
+    """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model), save."""
+    from jaxllm.loader import load
+
+    if mesh is not None:
+        layout, tp = sharding.plan(load_config(src), mesh)
+        if tp.kv_replicas > 1:
+            raise ValueError(f"convert on a mesh of {tp.size} needs the KV heads to split evenly")
+    return save(load(src, dtype=dtype, mesh=mesh), dst)
+
+
+def load_config(src) -> ModelConfig:
+    from jaxllm import hf, paths
+    src = paths.default_model_path() if src is None else Path(src)
+    if is_checkpoint(src):
+        return _config_from_json(json.loads((Path(src) / CONFIG_FILE).read_text()))
+    if Path(src).is_dir():
+        return hf.read_config(Path(src))
+    from jaxllm.loader import load  # GGUF: the converted-weights cache knows the config
+    return load(src).config
+
+
+def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
+            expert_parallel: bool = False) -> Params:
+    """Params from a checkpoint: on the default device, or sharded onto `mesh`, cast to `dtype`."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    cfg = _config_from_json(json.loads((directory / CONFIG_FILE).read_text()))
+    stored = abstract_params(cfg, jnp.float32)
+    with ocp.StandardCheckpointer() as ckpt:
+        meta = ckpt.metadata(directory / "params")
+    meta_tree = getattr(meta, "item_metadata", meta)
+    meta_tree = getattr(meta_tree, "tree", meta_tree)
+    stored_dtype = jnp.dtype(jax.tree.leaves(meta_tree)[0].dtype)
+    dtype = stored_dtype if dtype is None else jnp.dtype(dtype)
+
+    if mesh is None:
+        device = NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("one",)), P())
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=device), stored)
+        with ocp.StandardCheckpointer() as ckpt:
+            tree = ckpt.restore(directory / "params", _to_tree(target))
+        return _from_tree(tree, stored)
+
+    layout, tp = sharding.plan(cfg, mesh, expert_parallel)
+    r = tp.kv_replicas
+    axes = {f"layers.{i}.{n}": s.axes for i in range(cfg.num_layers) for n, s in layer_specs(layout, i).items()}
+    axes.update({n: s.axes for n, s in top_specs(layout).items()})
+    # Repeated KV heads with one copy per device (tp = K * r): read them through a (K, r) view of
+    # the mesh, device (k, j) holding KV group k whole (wqkv, bqkv) or its j-th query heads (wo).
+    grouped = r > 1 and layout.num_kv_heads == tp.size
+    mesh2 = Mesh(mesh.devices.reshape(cfg.num_kv_heads, r), ("kv", "rep")) if grouped else None
+
+    def target_of(path: str, s):
+        name = path.rsplit(".", 1)[-1]
+        if r > 1 and name in ("wqkv", "bqkv", "wo"):
+            if not grouped:  # each device reads the whole tensor, keeps its part (see _relayout)
+                spec = NamedSharding(mesh, P())
+            else:
+                spec = NamedSharding(mesh2, P(None, "kv", "rep") if name == "wo" else P("kv"))
+        else:
+            spec = NamedSharding(mesh, sharding._spec(tp, axes[path]))
+        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=spec)
+
+    paths = _paths(stored)
+    target = jax.tree.unflatten(jax.tree.structure(stored),
+                                [target_of(p, s) for p, s in zip(paths, jax.tree.leaves(stored))])
+    with ocp.StandardCheckpointer() as ckpt:
+        tree = ckpt.restore(directory / "params", _to_tree(target))
+    params = _from_tree(tree, target)
+    if r > 1:
+        params = _relayout(params, cfg, layout, tp, mesh2)
+    return params.replace(config=layout, tp=tp)
+
+
+def _paths(params: Params) -> list[str]:
+    """The `params._assemble` path of each leaf, in leaf order ("layers.3.wqkv", "embed")."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        parts = [str(getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        out.append(".".join(parts))
+    return out
+
+
+def _relayout(params: Params, cfg: ModelConfig, layout: ModelConfig, tp, mesh2: Mesh | None) -> Params:
+    """wqkv, bqkv, wo restored in the checkpoint layout -> the layout with repeated KV heads."""
+    r, G = tp.kv_replicas, cfg.q_per_kv
+    shardings = sharding.param_shardings(layout, tp)
+
+    def fix(name, x, target_sharding):
+        new_shape = _layout_shape(name, x.shape, cfg, r)
+        if mesh2 is None:  # replicated read: transform, keep each device's slice
+            return jax.jit(lambda a: sharding.to_layout(name, a, cfg, r), out_shardings=target_sharding)(x)
+        if name == "wo":  # [D, 1, G/r, H] per device already
+            shards = [s.data for s in x.addressable_shards]
+        else:  # [1, G+2, H, (D)] per device: keep query heads j*G/r.. of the group, and k, v
+            coords = {d: j for (_, j), d in np.ndenumerate(mesh2.devices)}
+            shards = []
+            for s in x.addressable_shards:
+                j = coords[s.device]
+                shards.append(jnp.concatenate([s.data[:, j * (G // r):(j + 1) * (G // r)], s.data[:, G:]], axis=1))
+        return jax.make_array_from_single_device_arrays(new_shape, target_sharding, shards)
+
+    layers = []
+    for layer, target in zip(params.layers, shardings.layers):
+        updates = {n: fix(n, getattr(layer, n), getattr(target, n))
+                   for n in ("wqkv", "bqkv", "wo") if getattr(layer, n) is not None}
+        layers.append(layer.replace(**updates))
+    return params.replace(layers=layers)
+
+
+def _layout_shape(name: str, shape: tuple, cfg: ModelConfig, r: int) -> tuple:
+    K, G = cfg.num_kv_heads, cfg.q_per_kv
+    if name == "wo":
+        return (shape[0], K * r, G // r, *shape[3:])
+    return (K * r, G // r + 2, *shape[2:])
