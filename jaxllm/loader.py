@@ -20,6 +20,7 @@ import numpy as np
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
 from jaxllm.params import Params, from_hf_tensors
+from jaxllm.quant import QUANT_MODES, quantizing_place
 
 CACHE_FORMAT = 1  # bump when the cached conversion changes
 
@@ -39,14 +40,22 @@ def _progress(total: int, desc: str):
 
 
 def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
-         expert_parallel: bool = False) -> Params:
+         expert_parallel: bool = False, quant: str = "none") -> Params:
     """Load a model: None (the default SmolLM2), an HF directory, a .gguf file, or a directory
     written by `jaxllm convert` (an orbax checkpoint of converted params, see checkpoint.py).
+
+    `quant="int8"` stores the projection matrices as int8 with per-output-channel scales (see
+    `jaxllm.quant`), each quantized on the device as it is loaded, so the float model is never
+    resident whole; `dtype` stays the dtype of activations, KV cache and the other weights.
 
     With a `mesh` (see `sharding.make_mesh`) each device receives only its shard, converted from
     the checkpoint one tensor at a time; `expert_parallel` splits MoE experts instead of their F.
     """
     shard = None if mesh is None else dict(mesh=mesh, expert_parallel=expert_parallel)
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    if quant != "none" and mesh is not None:
+        raise ValueError("int8 quantization of a sharded (mesh=) load is not implemented yet")
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     if path is None:
         path = paths.default_model_path()
@@ -54,23 +63,25 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, shard)
+        return _load_gguf(path, dtype, shard, quant)
     if path.is_file():
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face checkpoint directory")
     if checkpoint.is_checkpoint(path):  # written by `jaxllm convert`: restored slice by slice
         return checkpoint.restore(path, dtype=dtype, mesh=mesh, expert_parallel=expert_parallel)
     cfg, reader = hf.read_checkpoint(path)
     with reader:
-        return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard)
+        return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard, quant)
 
 
-def _convert(cfg: ModelConfig, get, shapes, dtype, name: str, shard: dict | None = None) -> Params:
+def _convert(cfg: ModelConfig, get, shapes, dtype, name: str, shard: dict | None = None,
+             quant: str = "none") -> Params:
     total = sum(int(np.prod(s)) for s in shapes.values())
     update, close = _progress(total, f"loading {name}")
     try:
         if shard is not None:
             return sharding.from_hf_sharded(cfg, get, shapes, dtype, progress=update, **shard)
-        return from_hf_tensors(cfg, get, shapes, dtype=dtype, progress=update)
+        place = None if quant == "none" else quantizing_place(dtype, cfg.tie_word_embeddings)
+        return from_hf_tensors(cfg, get, shapes, dtype=dtype, place=place, progress=update)
     finally:
         close()
 
@@ -81,7 +92,7 @@ def _gguf_cache_path(path: Path) -> Path:
     return paths.cache_dir() / f"{path.stem}-{key.hexdigest()[:16]}"
 
 
-def _load_gguf(path: Path, dtype, shard: dict | None = None) -> Params:
+def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none") -> Params:
     from jaxllm.gguf import read_gguf
     from jaxllm.tokenizer import load_tokenizer
 
@@ -89,7 +100,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None) -> Params:
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
         cfg, reader = hf.read_checkpoint(cached)
         with reader:
-            return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard)
+            return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard, quant)
     hf_config, tensors = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config)
     # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
@@ -97,7 +108,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None) -> Params:
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + stops)))
     _write_cache(cached, hf_config, cfg, tensors)
     get, shapes = hf.hf_state_dict_reader(tensors)
-    return _convert(cfg, get, shapes, dtype, path.name, shard)
+    return _convert(cfg, get, shapes, dtype, path.name, shard, quant)
 
 
 def _write_cache(target: Path, hf_config: dict, cfg: ModelConfig, tensors: dict[str, np.ndarray]):

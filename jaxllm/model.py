@@ -74,7 +74,10 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None):
     """
     cfg = params.config
     T = tokens_BT.shape[1]
-    inv_freq, rope_scale = rope_frequencies(cfg, cache.length)
+    # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
+    # where transformers leaves the base alone; the cache length (left padding, bucket slack)
+    # says nothing about how far positions go.
+    inv_freq, rope_scale = rope_frequencies(cfg)
     inv_freq = jnp.asarray(inv_freq)
     q_slots_T = cache.cursor + jnp.arange(T, dtype=jnp.int32)
     # Left padding sits before start; its (unused) positions are clamped to 0.
