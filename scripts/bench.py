@@ -92,8 +92,6 @@ def parse_args(argv):
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     # Refuse what the library cannot do yet rather than benchmark something else under its name.
-    if args.quant != "none":
-        p.error(f"--quant {args.quant} is not implemented yet in jaxllm (no quantized weights or kernels)")
     if args.kv_dtype == "int8":
         p.error("--kv-dtype int8 is not implemented yet in jaxllm (the KV cache follows the model dtype)")
     if args.kv_dtype == "bf16" and args.dtype != "bfloat16":
@@ -252,10 +250,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
 
     matmul_flops = (peaks.get("matmul_tflops") or roofline.H200_BF16_MATMUL_FLOPS / 1e12) * 1e12
     dtype = params.dtype
+    weights = "int8" if args.quant == "int8" else dtype  # the roofline's name for int8 weights
     context = prompt_len + new // 2
-    dec = roofline.analyze(cfg, batch, context, 1, dtype, peak_bw=DATASHEET_BW, peak_flops=matmul_flops,
-                           name=label["preset"] or label["model"])
-    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, dtype, peak_bw=DATASHEET_BW,
+    dec = roofline.analyze(cfg, batch, context, 1, weights, dtype, peak_bw=DATASHEET_BW,
+                           peak_flops=matmul_flops, name=label["preset"] or label["model"])
+    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, weights, dtype, peak_bw=DATASHEET_BW,
                            peak_flops=matmul_flops)
     dt, pt = dec["totals"], pre["totals"]
     step_bytes = dt["bytes"]
@@ -355,11 +354,11 @@ def main(argv=None) -> int:
     import jaxlib
 
     import jaxllm
-    from jaxllm import layers, presets
+    from jaxllm import layers, presets, quant
 
     dtype = jax.numpy.dtype(args.dtype)
     if args.model:
-        params = jaxllm.load(args.model, dtype=dtype)
+        params = jaxllm.load(args.model, dtype=dtype, quant=args.quant)
     else:
         if args.preset not in presets.PRESETS:
             log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
@@ -370,8 +369,10 @@ def main(argv=None) -> int:
             return 2
         t0 = time.perf_counter()
         params = _wait(presets.random_params(cfg, args.seed, dtype))
-        log(f"bench: random {args.preset} weights on {jax.devices()[0].device_kind} in "
-            f"{time.perf_counter() - t0:.1f} s")
+        if args.quant == "int8":  # the random float weights quantized (int8 values, per-channel scales)
+            params = _wait(quant.quantize_params(params))
+        log(f"bench: random {args.preset} weights{' in int8' if args.quant == 'int8' else ''} on "
+            f"{jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f} s")
     label = dict(preset=args.preset, model=args.model, device=jax.devices()[0].device_kind,
                  platform=jax.default_backend(), jax_version=jax.__version__,
                  jaxlib_version=jaxlib.__version__, git=_git_version(),

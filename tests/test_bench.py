@@ -83,7 +83,6 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--quant", "int8"], "--quant int8 is not implemented yet"),
     (["--kv-dtype", "int8"], "--kv-dtype int8 is not implemented yet"),
     (["--dtype", "float32", "--kv-dtype", "bf16"], "not implemented yet"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
@@ -92,6 +91,18 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
 def test_bench_refuses_what_it_cannot_measure(flags, message):
     proc = _bench("--preset", "tiny", *flags, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and not proc.stdout
+
+
+def test_bench_int8_runs_on_quantized_weights():
+    proc = _bench("--preset", "tiny", "--quant", "int8", "--prompt-len", "8", "--new-tokens", "16",
+                  "--repeat", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert run["error"] is None and run["quant"] == "int8"
+    # int8 matrices (+ float32 scales) and the bf16 norms: well under the bf16 model's 2 bytes/weight.
+    assert run["param_bytes"] < 1.2 * run["param_count"]
+    bf16 = roofline.analyze(presets.PRESETS["tiny"], 1, 8 + 16 // 2)["totals"]["weight_bytes"]
+    assert run["weight_bytes_per_step"] < 0.6 * bf16
 
 
 def test_bench_reports_a_failed_run_as_json_and_fails():
