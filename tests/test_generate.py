@@ -1,0 +1,171 @@
+"""generate's contract: ragged batches, stop ids, shape buckets, seeds, and its streaming twin."""
+
+import contextlib
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm.generate import _generate_core, pad_prompts
+from tiny_models import hf_greedy, rel_err, random_tokens
+
+NEW = 20  # with a [2, 12] prompt: the shapes test_parity's greedy test compiled already
+
+
+def test_ragged_batch_rows_equal_rows_alone(tiny):
+    params = tiny("qwen2_swa").params  # a full-attention layer, then sliding ones
+    prompts = [random_tokens(n, seed=n).tolist() for n in (5, 13, 20)]
+    out = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[])
+    assert out.tokens.shape == (3, 16)
+    for b, prompt in enumerate(prompts):
+        alone = jaxllm.generate(params, np.array([prompt], np.int32), max_new_tokens=16, eos_token_ids=[])
+        np.testing.assert_array_equal(out.tokens[b], alone.tokens[0], err_msg=f"row {b}")
+    np.testing.assert_array_equal(out.lengths, [16, 16, 16])
+
+
+def test_ragged_prefill_and_decode_logits_match_each_row_alone(tiny):
+    """Left padding plus per-row positions: every row's logits are transformers' for that row."""
+    m = tiny("mistral")  # a 4-token window, so masks of padding and window interact
+    rows = [random_tokens(n, seed=10 + n) for n in (3, 9, 14)]
+    continuation = random_tokens((3, 4), seed=9)
+    tokens, start, _ = pad_prompts(m.params, [r.tolist() for r in rows])
+    cache = jaxllm.init_cache(m.params.config, 3, tokens.shape[1] + 4, m.params.dtype, start=start)
+    logits, cache = jaxllm.prefill(m.params, tokens, cache)
+    steps = [logits]
+    for t in range(3):
+        logits, cache = jaxllm.decode_step(m.params, continuation[:, t], cache)
+        steps.append(logits)
+    got_BTV = np.stack(steps, axis=1)
+    for b, row in enumerate(rows):
+        ref = m.hf_logits(np.concatenate([row, continuation[b, :3]])[None])[0, len(row) - 1:]
+        assert rel_err(got_BTV[b], ref) < 1e-4, f"row {b}"
+
+
+def _first_new(row, k_min=2):
+    """(index, token) of the first token at index >= k_min that did not occur earlier in row."""
+    for k in range(k_min, len(row)):
+        if row[k] not in row[:k]:
+            return k, int(row[k])
+    raise AssertionError(f"no fresh token in {row}")
+
+
+@pytest.fixture(scope="module")
+def free_run(llama):
+    """Greedy tokens of a [2, 12] prompt with no stop id at all."""
+    prompt = random_tokens((2, 12), seed=3)
+    out = jaxllm.generate(llama.params, prompt, max_new_tokens=NEW, eos_token_ids=[])
+    np.testing.assert_array_equal(out.lengths, [NEW, NEW])
+    return prompt, np.asarray(out.tokens)
+
+
+def test_each_row_stops_at_its_own_stop_id(llama, free_run):
+    prompt, free = free_run
+    k0, x = _first_new(free[0], 2)
+    k1, y = _first_new(free[1], k0 + 2)  # row 1 stops later than row 0
+    assert x not in free[1][:k1 + 1] and y not in free[0][:k0 + 1], "pick another seed"
+    out = jaxllm.generate(llama.params, prompt, max_new_tokens=NEW, eos_token_ids=[x, y])
+    tokens, pad = np.asarray(out.tokens), llama.params.config.pad_id
+    np.testing.assert_array_equal(out.lengths, [k0 + 1, k1 + 1])  # the stop token is counted
+    for b, k in enumerate((k0, k1)):
+        np.testing.assert_array_equal(tokens[b, :k + 1], free[b, :k + 1])
+        assert (tokens[b, k + 1:] == pad).all(), f"row {b} is not padded after its stop"
+
+
+def test_stop_ids_none_means_the_configs_and_empty_means_never(llama, free_run):
+    prompt, free = free_run
+    k, x = _first_new(free[0], 3)
+    params = llama.params.replace(config=dataclasses.replace(llama.params.config, eos_token_ids=(x,)))
+    out = jaxllm.generate(params, prompt[:1], max_new_tokens=NEW, eos_token_ids=None)
+    assert int(out.lengths[0]) == k + 1
+    np.testing.assert_array_equal(out.tokens[0, :k + 1], free[0, :k + 1])
+    out = jaxllm.generate(params, prompt[:1], max_new_tokens=NEW, eos_token_ids=[])
+    assert int(out.lengths[0]) == NEW
+    np.testing.assert_array_equal(out.tokens[0], free[0])
+
+
+def test_stop_ids_are_read_from_generation_config(llama, tmp_path):
+    assert llama.params.config.eos_token_ids == (2,)
+    shutil.copytree(llama.path, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
+    assert jaxllm.load(tmp_path, dtype="float32").config.eos_token_ids == (5, 9)
+
+
+@contextlib.contextmanager
+def compilations():
+    """Names of the functions XLA compiles inside the block (any function, any shape)."""
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name", "?"))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_new_lengths_within_a_bucket_compile_nothing(llama):
+    params = llama.params
+    jaxllm.generate(params, random_tokens((1, 5)), max_new_tokens=9, temperature=0.8, top_k=20)
+    cached = _generate_core._cache_size()
+    with compilations() as compiled:
+        # Another prompt length in the same bucket, other sampling values, another seed.
+        jaxllm.generate(params, random_tokens((1, 11), seed=1), max_new_tokens=9, temperature=0.6,
+                        top_k=7, seed=3).tokens.block_until_ready()
+    assert compiled == [] and _generate_core._cache_size() == cached
+    with compilations() as compiled:
+        # Another max_new_tokens in the same bucket reuses the program (only trimming the
+        # output to the new width may compile a slice).
+        jaxllm.generate(params, random_tokens((1, 14), seed=2), max_new_tokens=13, temperature=0.6,
+                        top_k=7).tokens.block_until_ready()
+    assert _generate_core._cache_size() == cached
+    assert all("generate" not in name for name in compiled), compiled
+    with compilations() as compiled:  # the next prompt bucket does compile: the counter counts
+        jaxllm.generate(params, random_tokens((1, 17)), max_new_tokens=9, temperature=0.8, top_k=20)
+    assert any("generate" in name for name in compiled), compiled
+    assert _generate_core._cache_size() == cached + 1
+
+
+# The next tests sample with top_k=20, one prompt of at most 16 tokens and at most 16 new ones:
+# the program test_new_lengths_within_a_bucket_compile_nothing compiled.
+SAMPLED = dict(max_new_tokens=16, temperature=1.0, top_k=20, eos_token_ids=[])
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(llama):
+    prompt = random_tokens((1, 12), seed=3)
+    a, b, c = (np.asarray(jaxllm.generate(llama.params, prompt, seed=s, **SAMPLED).tokens) for s in (7, 7, 8))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).mean() > 0.5
+
+
+def test_stream_yields_what_generate_returns(llama):
+    prompt = random_tokens(12, seed=3).tolist()
+    streamed = list(jaxllm.stream(llama.params, prompt, seed=5, **SAMPLED))
+    generated = jaxllm.generate(llama.params, [prompt], seed=5, **SAMPLED).tokens[0]
+    np.testing.assert_array_equal(streamed, generated)
+
+
+def test_stream_stops_after_the_stop_token(llama, free_run):
+    prompt, free = free_run
+    k, x = _first_new(free[0], 2)
+    assert k < 15
+    streamed = list(jaxllm.stream(llama.params, prompt[0].tolist(), max_new_tokens=16, eos_token_ids=[x]))
+    assert streamed == free[0, :k + 1].tolist()
+
+
+def _repeats(tokens) -> int:
+    return sum(len(row) - len(set(row.tolist())) for row in np.asarray(tokens))
+
+
+def test_repetition_penalty_matches_transformers_and_lowers_repeats(llama, free_run):
+    prompt, free = free_run
+    out = jaxllm.generate(llama.params, prompt, max_new_tokens=NEW, repetition_penalty=1.8)
+    ref, lengths = hf_greedy(llama.hf, llama.params.config, prompt, NEW, repetition_penalty=1.8)
+    np.testing.assert_array_equal(out.tokens, ref)
+    np.testing.assert_array_equal(out.lengths, lengths)
+    assert _repeats(free) > 0 and _repeats(out.tokens) < _repeats(free)
