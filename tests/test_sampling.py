@@ -1,0 +1,154 @@
+"""Sampling: filters never choose outside their set, temperature follows softmax, penalty as transformers."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jaxllm
+from jaxllm.sampling import apply_repetition_penalty
+
+V = 64
+DRAWS = 400  # per row and seed
+
+
+@partial(jax.jit, static_argnames=("draws", "use_top_k", "use_top_p", "use_min_p"))
+def _draw(logits_RV, seed, temperature, top_k, top_p, min_p, *, draws, use_top_k, use_top_p, use_min_p):
+    """[R, draws] samples: each row repeated `draws` times, one key for the whole batch."""
+    batch = jnp.repeat(logits_RV, draws, axis=0)
+    tokens = jaxllm.sample(batch, jax.random.key(seed), temperature, top_k, top_p, min_p, greedy=False,
+                           use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
+    return tokens.reshape(logits_RV.shape[0], draws)
+
+
+def draw(logits, seed, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, draws=DRAWS) -> np.ndarray:
+    return np.asarray(_draw(jnp.asarray(logits, jnp.float32), seed, jnp.float32(temperature),
+                            jnp.int32(top_k), jnp.float32(top_p), jnp.float32(min_p), draws=draws,
+                            use_top_k=top_k > 0, use_top_p=top_p < 1, use_min_p=min_p > 0))
+
+
+def _softmax(z):
+    z = z - z.max()
+    return np.exp(z) / np.exp(z).sum()
+
+
+def allowed_sets(logits, temperature, top_k, top_p, min_p) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, in float64: (allowed mask [R, V], distribution over it [R, V]).
+
+    Definitions as transformers states them: top-k keeps the k largest (ties with the k-th kept),
+    top-p the smallest set of most likely tokens whose mass reaches top_p, min-p the tokens with
+    probability >= min_p * the largest; each applies to what the previous filter left.
+    """
+    masks, dists = [], []
+    for row in np.asarray(logits, np.float64) / temperature:
+        keep = np.ones(V, bool)
+        if top_k:
+            keep &= row >= np.sort(row)[::-1][top_k - 1]
+        if top_p < 1:
+            p = np.where(keep, _softmax(np.where(keep, row, -np.inf)), 0.0)
+            order = np.argsort(-p, kind="stable")
+            mass_before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+            n_keep = max(1, int(np.sum(mass_before < top_p)))
+            top = np.zeros(V, bool)
+            top[order[:n_keep]] = True
+            keep &= top
+        if min_p:
+            p = _softmax(np.where(keep, row, -np.inf))
+            keep &= p >= min_p * p.max()
+        masks.append(keep)
+        dists.append(_softmax(np.where(keep, row, -np.inf)))
+    return np.array(masks), np.array(dists)
+
+
+def _hf_allowed(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """The same sets from transformers' own logits warpers."""
+    scores = torch.as_tensor(np.asarray(logits, np.float32))
+    warpers = [transformers.TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(transformers.TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(transformers.MinPLogitsWarper(min_p))
+    ids = torch.zeros((scores.shape[0], 1), dtype=torch.long)
+    for w in warpers:
+        scores = w(ids, scores)
+    return torch.isfinite(scores).numpy()
+
+
+FILTERS = [
+    dict(top_k=5),
+    dict(top_p=0.6),
+    dict(min_p=0.2),
+    dict(top_k=12, top_p=0.8, min_p=0.05, temperature=0.7),
+    dict(top_p=0.9, temperature=1.5),
+    dict(top_k=1, temperature=2.0),
+]
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_filters_never_choose_outside_their_set(filters):
+    logits = np.random.default_rng(0).normal(0, 2.0, (8, V)).astype(np.float32)
+    args = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | filters
+    mask, dist = allowed_sets(logits, **args)
+    np.testing.assert_array_equal(mask, _hf_allowed(logits, **args))  # the reference is transformers'
+    assert mask.sum(axis=1).max() > 1 or args["top_k"] == 1  # the set is not trivially the argmax
+    seen = np.zeros_like(mask)
+    for seed in range(5):
+        tokens = draw(logits, seed, **args)
+        for r in range(len(logits)):
+            outside = set(tokens[r].tolist()) - set(np.flatnonzero(mask[r]).tolist())
+            assert not outside, f"row {r} chose {outside}, outside its set"
+            seen[r, tokens[r]] = True
+    # ...and every token of the set that is not vanishingly rare is chosen at some point.
+    never_chosen = mask & (dist > 0.01) & ~seen
+    assert not never_chosen.any(), f"allowed tokens never chosen: {np.argwhere(never_chosen)}"
+
+
+def _chi_square(counts, probs) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = np.array([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -2.0]], np.float32)
+    temperature = 0.7
+    tokens = np.asarray(_draw(jnp.asarray(logits), 0, jnp.float32(temperature), jnp.int32(0),
+                              jnp.float32(1), jnp.float32(0), draws=40000, use_top_k=False,
+                              use_top_p=False, use_min_p=False))[0]
+    counts = np.bincount(tokens, minlength=8).astype(np.float64)
+    # 7 degrees of freedom: chi-square exceeds 30 with probability < 1e-4.
+    assert _chi_square(counts, _softmax(logits[0] / temperature)) < 30
+    assert _chi_square(counts, _softmax(logits[0])) > 300  # the bound can tell temperatures apart
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(1).normal(0, 1, (16, V)).astype(np.float32)
+    np.testing.assert_array_equal(jaxllm.sample(jnp.asarray(logits), jax.random.key(0)), logits.argmax(-1))
+
+
+def test_same_key_same_tokens_other_key_other_tokens():
+    logits = np.random.default_rng(2).normal(0, 1, (4, V)).astype(np.float32)
+    a, b, c = (draw(logits, seed, top_p=0.95) for seed in (11, 11, 12))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).mean() > 0.5
+
+
+@pytest.mark.parametrize("penalty", [1.7, 0.6])
+def test_repetition_penalty_matches_transformers(penalty):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 3, (4, V)).astype(np.float32)
+    history = rng.integers(0, V, (4, 10))  # token ids already in each row (repeats allowed)
+    seen = np.zeros((4, V), bool)
+    seen[np.arange(4)[:, None], history] = True
+    got = np.asarray(apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), jnp.float32(penalty)))
+    ref = transformers.RepetitionPenaltyLogitsProcessor(penalty)(
+        torch.as_tensor(history), torch.as_tensor(logits)).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
+    np.testing.assert_array_equal(got[~seen], logits[~seen])  # unseen tokens untouched
+    if penalty > 1:  # seen tokens lose, whatever their sign
+        assert (got[seen] < logits[seen]).all()
