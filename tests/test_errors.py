@@ -1,0 +1,194 @@
+"""Bad input gets a ValueError that names the problem: never a wrap-around, NaN, hang or unpickle."""
+
+import json
+import pickle
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import jaxllm
+from tiny_models import MAX_POS, VOCAB, random_tokens
+
+PROMPT = [[5, 6, 7]]
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([[5, -1, 7]], r"token id -1 out of range"),
+    ([[5, VOCAB, 7]], rf"token id {VOCAB} out of range.*{VOCAB} ids"),
+    ([[5, 6], [VOCAB + 3]], rf"token id {VOCAB + 3} out of range"),
+    (np.array([[5, -1]], np.int32), r"token id -1 out of range"),
+    ([[]], r"prompt 0 is empty"),
+    ([[5, 6], []], r"prompt 1 is empty"),
+    (np.zeros((1, 0), np.int32), r"prompt 0 is empty"),
+    ([], r"batch of 0"),
+    (np.zeros((0, 4), np.int32), r"batch of 0"),
+    (np.array([5, 6, 7]), r"\[B, T\] array"),
+])
+def test_bad_prompts(llama, ids, message):
+    with pytest.raises(ValueError, match=message):
+        jaxllm.generate(llama.params, ids, max_new_tokens=4)
+
+
+def test_prompt_plus_new_tokens_over_the_context(llama):
+    prompt = random_tokens((1, MAX_POS - 10)).tolist()
+    message = rf"{MAX_POS - 10} tokens plus max_new_tokens=11 .*context of {MAX_POS}"
+    with pytest.raises(ValueError, match=message):
+        jaxllm.generate(llama.params, prompt, max_new_tokens=11)
+    with pytest.raises(ValueError, match=rf"context of {MAX_POS}"):
+        jaxllm.forward(llama.params, random_tokens((1, MAX_POS + 1)))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), r"temperature must be >= 0.*-0.5"),
+    (dict(temperature=float("nan")), r"temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\].*0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\].*1.5"),
+    (dict(top_k=-1), r"top_k must be .*>= 0.*-1"),
+    (dict(top_k=2.5), r"top_k must be a whole number"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\].*1.5"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0.*0.0"),
+    (dict(repetition_penalty=-1.0), r"repetition_penalty must be > 0"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be .*>= 1.*0"),
+])
+def test_bad_sampling_settings(llama, kwargs, message):
+    kwargs = dict(max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        jaxllm.generate(llama.params, PROMPT, **kwargs)
+    if "max_new_tokens" not in kwargs or kwargs["max_new_tokens"] > 0:
+        with pytest.raises(ValueError, match=message):
+            next(jaxllm.stream(llama.params, PROMPT[0], **kwargs))
+
+
+def test_low_level_calls_check_token_ids(llama):
+    params = llama.params
+    cache = jaxllm.init_cache(params.config, 1, 8, params.dtype)
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} out of range"):
+        jaxllm.forward(params, [[1, VOCAB]])
+    with pytest.raises(ValueError, match=r"token id -1 out of range"):
+        jaxllm.prefill(params, [[1, -1]], cache)
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} out of range"):
+        jaxllm.decode_step(params, [VOCAB], cache)
+    with pytest.raises(ValueError, match=r"must be integers"):
+        jaxllm.forward(params, [[1.0, 2.0]])
+
+
+def test_writing_past_the_end_of_the_cache_is_an_error(llama):
+    params = llama.params
+    cache = jaxllm.init_cache(params.config, 1, 8, params.dtype)
+    message = r"cache full: writing 9 token\(s\) at slot 0 needs 9 slots, the cache has 8"
+    with pytest.raises(ValueError, match=message):
+        jaxllm.prefill(params, random_tokens((1, 9)), cache)
+    full = cache.replace(cursor=jnp.int32(8))  # as after 8 written tokens
+    with pytest.raises(ValueError, match=r"cache full: writing 1 token\(s\) at slot 8"):
+        jaxllm.decode_step(params, [5], full)
+    with pytest.raises(ValueError, match=r"cache full"):
+        jaxllm.prefill(params, random_tokens((1, 2)), cache.replace(cursor=jnp.int32(7)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+@pytest.fixture
+def checkpoint(llama, tmp_path):
+    """A writable copy of the tiny llama checkpoint."""
+    shutil.copytree(llama.path, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def _rewrite_tensors(directory, edit):
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_checkpoint_copy_loads(checkpoint):
+    assert jaxllm.load(checkpoint, dtype="float32").config.num_layers == 3  # the fixture is sound
+
+
+def test_missing_tensor_is_named(checkpoint):
+    _rewrite_tensors(checkpoint, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): model\.layers\.1\.mlp\.down_proj\.weight"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+def test_unexpected_tensor_is_named(checkpoint):
+    def add(t):
+        t["model.layers.0.self_attn.extra_proj.weight"] = np.zeros((4, 4), np.float32)
+    _rewrite_tensors(checkpoint, add)
+    message = r"unexpected tensor\(s\): model\.layers\.0\.self_attn\.extra_proj\.weight"
+    with pytest.raises(ValueError, match=message):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+def test_wrong_shape_is_named(checkpoint):
+    def shrink(t):
+        t["model.layers.2.self_attn.k_proj.weight"] = t["model.layers.2.self_attn.k_proj.weight"][:16]
+    _rewrite_tensors(checkpoint, shrink)
+    message = r"model\.layers\.2\.self_attn\.k_proj\.weight has shape \(16, 64\), expected \(32, 64\)"
+    with pytest.raises(ValueError, match=message):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+@pytest.mark.parametrize("keep", [0.6, 0.001])
+def test_truncated_safetensors(checkpoint, keep):
+    path = checkpoint / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(int(path.stat().st_size * keep))
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+class _Evil:
+    """Unpickling this creates a marker file: proof that a loader ran pickle."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_pickle_checkpoint_is_refused_without_unpickling(checkpoint, tmp_path_factory):
+    (checkpoint / "model.safetensors").unlink()
+    marker = tmp_path_factory.mktemp("marker") / "unpickled"
+    (checkpoint / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": _Evil(marker)}))
+    with pytest.raises(ValueError, match=r"only pickle-based weights \(pytorch_model\.bin\).*safetensors"):
+        jaxllm.load(checkpoint, dtype="float32")
+    assert not marker.exists(), "jaxllm unpickled the checkpoint"
+    # The payload is live: unpickling it does create the marker.
+    pickle.loads((checkpoint / "pytorch_model.bin").read_bytes())["model.embed_tokens.weight"].close()
+    assert marker.exists()
+
+
+def test_unknown_model_type_is_named(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unknown architecture: model_type 'gpt_neox'.*GPTNeoXForCausalLM"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+def test_missing_config_json(checkpoint):
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config\.json not found"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+def test_malformed_config_json(checkpoint):
+    (checkpoint / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+def test_config_without_a_required_key(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"lacks required key 'num_hidden_layers'"):
+        jaxllm.load(checkpoint, dtype="float32")
