@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.cache import KVCache, init_cache
+from jaxllm.memory import check_fit
 from jaxllm.model import check_tokens, jitted_step, step
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
@@ -140,6 +141,7 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig):
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is {longest + max_new_tokens}, "
             f"over the model's context of {cfg.max_position_embeddings} tokens")
     steps = bucket(max_new_tokens)
+    check_fit(params, tokens.shape[0], tokens.shape[1], tokens.shape[1] + steps)  # before allocating
     return tokens, start, steps, tokens.shape[1] + steps
 
 

@@ -1,0 +1,129 @@
+"""Will a generation fit in device memory? Checked on the host before anything is allocated.
+
+The weights are on the device already (inside the allocator's `bytes_in_use`); a request adds
+its KV cache (`cache_bytes`, exact) and what one step holds besides weights and cache (a bound,
+`activation_bytes`). Those must fit in what the allocator has left, `bytes_limit - bytes_in_use`
+of `Device.memory_stats()`. Backends without statistics (the CPU) are not checked. A request that
+cannot fit is a ValueError giving both figures and the largest batch, and the longest cache, that
+would; without it, XLA would fail later with an out-of-memory error naming a buffer, or the
+host would swap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.cache import cache_bytes
+from jaxllm.config import ModelConfig
+from jaxllm.layers import moe_path
+from jaxllm.params import Params, param_bytes
+
+F32 = 4
+
+
+def memory_stats(device) -> dict | None:
+    """The allocator's statistics of `device`, or None where the backend keeps none (tests patch this)."""
+    return device.memory_stats()
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dtype,
+                     heads_split: int = 1, ffn_split: int = 1, vocab_split: int = 1) -> int:
+    """A bound on what one step of `tokens` new tokens per row over `length` cache slots holds
+    besides the weights and the cache, on one device (N, K split `heads_split` ways, F `ffn_split`,
+    V `vocab_split`).
+
+    XLA frees a layer's intermediates before the next layer's, so the bound is one layer at its
+    largest, every intermediate counted as live at once, plus the float32 logits of the last
+    position and sampling's sorted copies of them. At long prompts the attention scores dominate:
+    B * N * T * S float32 (and their probabilities in the model dtype), because `layers.attention`
+    scores every slot of the cache; a fused (flash) attention kernel would remove that term.
+    """
+    a = jnp.dtype(dtype).itemsize
+    B, T, S, M = batch, tokens, length, batch * tokens
+    D, H = cfg.hidden_size, cfg.head_dim
+    N, K = -(-cfg.num_heads // heads_split), -(-cfg.num_kv_heads // heads_split)
+    V = -(-cfg.vocab_size // vocab_split)
+    stream = M * D * (2 * F32 + 2 * a)  # residual, float32 norm statistics, normed input, output
+    qkv = M * (N + 2 * K) * H * (F32 + 3 * a)  # float32 result, cast, rotated q and k, cache write
+    attention = B * N * T * S * (F32 + a) + B * T * S + M * N * H * (F32 + a)
+    ffn = 0
+    for i in range(cfg.num_layers):
+        if cfg.is_moe(i):
+            E, A, F = cfg.num_experts, cfg.experts_per_token, -(-cfg.moe_ffn_size // ffn_split)
+            routed = M * A * (D + 3 * F + D) * F32 + M * E * F32
+            if moe_path(M, A, E) == "gather":  # the chosen experts' weights, gathered per token
+                routed += M * A * 3 * F * D * a
+            ffn = max(ffn, routed)
+        else:
+            F = -(-cfg.ffn_size // ffn_split)
+            ffn = max(ffn, M * (2 * F * (F32 + a) + F * a))
+    logits = 4 * B * V * F32  # logits, probabilities, sorted values and their indices
+    return stream + qkv + attention + ffn + logits
+
+
+def _resident_bytes(params: Params, device) -> int:
+    """Bytes of the params held on `device` (all of them unless sharded)."""
+    if params.tp is None:
+        return param_bytes(params)
+    total = 0
+    for x in jax.tree.leaves(params):
+        if device in x.sharding.device_set:
+            total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest n in [0, hi] with fits(n) (fits is monotone: true up to some n, false after)."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def check_fit(params: Params, batch: int, tokens: int, length: int) -> None:
+    """ValueError unless a cache of `length` slots for `batch` rows and a step of `tokens` new
+    tokens per row fit in the free memory of every device the params live on."""
+    cfg, tp = params.config, params.tp
+    # This process's devices only: a multi-host mesh's others have no statistics here.
+    devices = [d for d in tp.mesh.devices.flat if d.process_index == jax.process_index()] \
+        if tp is not None else [jax.local_devices()[0]]
+    heads = tp.size if tp is not None and tp.heads else 1
+    split = dict(heads_split=heads, ffn_split=tp.size if tp is not None and tp.ffn else 1,
+                 vocab_split=tp.size if tp is not None and tp.vocab else 1)
+    data = tp.mesh.shape[tp.batch_axis] if tp is not None and tp.batch_axis else 1
+    rows = batch // data  # per device
+    dtype = params.dtype
+
+    def need(b: int, s: int) -> tuple[int, int]:
+        kv = cache_bytes(cfg, b, s, dtype) // heads
+        return kv, activation_bytes(cfg, b, min(tokens, s), s, dtype, **split)
+
+    for device in devices:
+        stats = memory_stats(device)
+        if not stats or "bytes_limit" not in stats:
+            continue
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        kv, act = need(rows, length)
+        if kv + act <= free:
+            continue
+        max_rows = _largest(lambda b: sum(need(b, length)) <= free, rows)
+        max_length = _largest(lambda s: sum(need(rows, s)) <= free, length)
+        limit, weights = int(stats["bytes_limit"]), _resident_bytes(params, device)
+        raise ValueError(
+            f"out of device memory: {batch} row(s) x {length} cache slots need {size_text(kv + act)} "
+            f"on {device} (KV cache {size_text(kv)} + at most {size_text(act)} of activations), but "
+            f"only {size_text(free)} of its {size_text(limit)} are free beside {size_text(weights)} of "
+            f"weights; what fits: batch {max_rows * data} at this length, or {max_length} cache slots "
+            f"(prompt + new tokens) at batch {batch}")
+
+
+def size_text(n: int) -> str:
+    """Bytes for a person: GB to two decimals, MB or KB below that."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
