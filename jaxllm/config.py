@@ -216,7 +216,7 @@ def _rope_from_hf(c: dict) -> RopeConfig:
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor") or 1.0),
+        factor=float(params.get("factor") or _default_factor(rope_type, original, c)),
         partial_rotary_factor=float(partial),
         original_max_position_embeddings=None if original is None else int(original),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
@@ -228,6 +228,13 @@ def _rope_from_hf(c: dict) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _default_factor(rope_type: str, original: int | None, c: dict) -> float:
+    # transformers' yarn without a factor (DeepSeek-V3 style) scales by the context ratio.
+    if rope_type == "yarn" and original:
+        return c.get("max_position_embeddings", original) / original
+    return 1.0
 
 
 def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[np.ndarray, float]:
