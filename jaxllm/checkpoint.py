@@ -3,9 +3,11 @@
 A checkpoint directory holds `jaxllm_config.json` (the ModelConfig) and `params/` (orbax, one
 tensorstore array per parameter, in the checkpoint layout: the config's own KV heads, never the
 repeated heads of a sharded layout). `restore` reads each device's slice straight from disk:
-every parameter is restored with its target sharding, so no device and no host ever holds a
-whole tensor, except that repeating KV heads reads each device's whole KV group of wqkv/bqkv
-and keeps its part. `jaxllm.load(directory, mesh=...)` calls `restore`.
+every parameter is restored with its target sharding, so no device and no host holds a whole
+tensor. Repeating KV heads is the exception: with one copy per device (tp = K * r) each device
+reads its whole KV group of wqkv/bqkv and keeps its part; otherwise (e.g. K 6 on 4 devices)
+each device reads every layer's wqkv, bqkv and wo whole, then keeps its slice.
+`jaxllm.load(directory, mesh=...)` calls `restore`.
 """
 
 from __future__ import annotations
@@ -81,25 +83,11 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
 
 
 def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None) -> Path:
-    """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model), save."""
+    """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model) on one
+    device or sharded over `mesh` (for models larger than one device), and save it."""
     from jaxllm.loader import load
 
-    if mesh is not None:
-        layout, tp = sharding.plan(load_config(src), mesh)
-        if tp.kv_replicas > 1:
-            raise ValueError(f"convert on a mesh of {tp.size} needs the KV heads to split evenly")
     return save(load(src, dtype=dtype, mesh=mesh), dst)
-
-
-def load_config(src) -> ModelConfig:
-    from jaxllm import hf, paths
-    src = paths.default_model_path() if src is None else Path(src)
-    if is_checkpoint(src):
-        return _config_from_json(json.loads((Path(src) / CONFIG_FILE).read_text()))
-    if Path(src).is_dir():
-        return hf.read_config(Path(src))
-    from jaxllm.loader import load  # GGUF: the converted-weights cache knows the config
-    return load(src).config
 
 
 def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,

@@ -125,7 +125,6 @@ def _check_shards(params, tp):
     import jax
 
     from jaxllm import sharding
-    from jaxllm.params import _Axes, logical_axes
 
     specs = jax.tree.leaves(sharding.param_specs(params.config, params.tp))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
