@@ -140,8 +140,8 @@ class OpTime(NamedTuple):
 class Summary(list):
     """The top ops (a list of `OpTime`), plus the time of every op grouped by named scope.
 
-    `scopes` maps a scope name (prefill, decode, attention, mlp, moe, lm_head, sampling, layer_i,
-    and "other" per grouping) to its share of all op time.
+    `scopes` maps each phase (prefill, decode, "other phase") and each block (attention, mlp, moe,
+    lm_head, sampling, "other block") to its share of all op time; `layers` maps layer_i to its.
     """
 
     def __init__(self, ops, *, total_s: float, scopes: dict[str, float], layers: dict[str, float],
