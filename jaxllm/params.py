@@ -27,6 +27,7 @@ import numpy as np
 from flax import struct
 
 from jaxllm.config import ModelConfig
+from jaxllm.quant import QuantizedWeight
 
 
 @struct.dataclass
@@ -202,7 +203,9 @@ class _Axes:
 
 
 def param_count(params: Params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    """Weights of the model; an int8 matrix counts its values, not its per-channel scales."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return sum(int(np.prod(x.shape)) for x in leaves)
 
 
 def param_bytes(params: Params) -> int:

@@ -99,8 +99,9 @@ def test_bench_int8_runs_on_quantized_weights():
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert run["error"] is None and run["quant"] == "int8"
-    # int8 matrices (+ float32 scales) and the bf16 norms: well under the bf16 model's 2 bytes/weight.
-    assert run["param_bytes"] < 1.2 * run["param_count"]
+    assert run["param_count"] == param_count(abstract_params(presets.PRESETS["tiny"]))  # scales aside
+    # int8 matrices (+ float32 scales); the untied embedding (16K of 107K weights) stays bf16.
+    assert run["param_bytes"] < 0.65 * 2 * run["param_count"]
     bf16 = roofline.analyze(presets.PRESETS["tiny"], 1, 8 + 16 // 2)["totals"]["weight_bytes"]
     assert run["weight_bytes_per_step"] < 0.6 * bf16
 
