@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxllm import sharding
 from jaxllm.config import ModelConfig, RopeConfig
 from jaxllm.params import Params, abstract_params, layer_specs, top_specs
+from jaxllm.quant import QuantizedWeight, quantize_params
 
 CONFIG_FILE = "jaxllm_config.json"
 FORMAT = 1
@@ -49,9 +50,13 @@ def _config_from_json(d: dict) -> ModelConfig:
 
 
 def _to_tree(params: Params) -> dict:
-    """Params as nested dicts of arrays (orbax's native form), None fields left out."""
+    """Params as nested dicts of arrays (orbax's native form), None fields left out; an int8
+    `QuantizedWeight` becomes {"q", "scale"}."""
+    def leaf(x):
+        return {"q": x.q, "scale": x.scale} if isinstance(x, QuantizedWeight) else x
+
     def fields(obj):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+        return {f.name: leaf(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                 if f.name not in ("config", "tp") and getattr(obj, f.name) is not None}
     tree = fields(params)
     tree["layers"] = {str(i): fields(layer) for i, layer in enumerate(params.layers)}
@@ -59,9 +64,18 @@ def _to_tree(params: Params) -> dict:
 
 
 def _from_tree(tree: dict, template: Params) -> Params:
-    layers = [dataclasses.replace(layer, **tree["layers"][str(i)]) for i, layer in enumerate(template.layers)]
-    top = {k: v for k, v in tree.items() if k != "layers"}
-    return dataclasses.replace(template, layers=layers, **top)
+    def fill(obj, values: dict):
+        def leaf(name, x):
+            old = getattr(obj, name)
+            return old.replace(q=x["q"], scale=x["scale"]) if isinstance(old, QuantizedWeight) else x
+        return dataclasses.replace(obj, **{k: leaf(k, v) for k, v in values.items()})
+    layers = [fill(layer, tree["layers"][str(i)]) for i, layer in enumerate(template.layers)]
+    return fill(template.replace(layers=layers), {k: v for k, v in tree.items() if k != "layers"})
+
+
+def is_quantized(params: Params) -> bool:
+    return any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
 
 
 def save(params: Params, directory: str | os.PathLike) -> Path:
@@ -78,16 +92,29 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(directory / "params", _to_tree(params))
     if jax.process_index() == 0:
-        (directory / CONFIG_FILE).write_text(json.dumps(_config_to_json(params.config), indent=1))
+        meta = _config_to_json(params.config)
+        if is_quantized(params):  # int8 values and float32 scales on disk: half the bytes
+            meta["quant"], meta["dtype"] = "int8", jnp.dtype(params.dtype).name
+        (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
     return directory
 
 
-def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None) -> Path:
+def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
+            quant: str = "none") -> Path:
     """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model) on one
-    device or sharded over `mesh` (for models larger than one device), and save it."""
+    device or sharded over `mesh` (for models larger than one device), optionally quantized to
+    int8 (one device), and save it."""
     from jaxllm.loader import load
+    from jaxllm.tokenizer import load_tokenizer
 
-    return save(load(src, dtype=dtype, mesh=mesh), dst)
+    out = save(load(src, dtype=dtype, mesh=mesh, quant=quant), dst)
+    try:  # beside the weights, so DST alone serves `jaxllm generate --model DST`
+        tok = load_tokenizer(src)
+    except (FileNotFoundError, ValueError):
+        return out  # a weights-only source: the checkpoint is still whole
+    if jax.process_index() == 0:
+        tok.save(out)
+    return out
 
 
 def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
@@ -96,7 +123,13 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
-    cfg = _config_from_json(json.loads((directory / CONFIG_FILE).read_text()))
+    meta_json = json.loads((directory / CONFIG_FILE).read_text())
+    cfg = _config_from_json(meta_json)
+    if meta_json.get("quant") == "int8":
+        if mesh is not None:
+            raise ValueError(f"{directory} holds int8 weights, which restore onto one device only; "
+                             "convert without --quant to shard it")
+        return _restore_quantized(directory, cfg, jnp.dtype(dtype or meta_json["dtype"]))
     stored = abstract_params(cfg, jnp.float32)
     with ocp.StandardCheckpointer() as ckpt:
         meta = ckpt.metadata(directory / "params")
@@ -141,6 +174,19 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
     if r > 1:
         params = _relayout(params, cfg, layout, tp, mesh2)
     return params.replace(config=layout, tp=tp)
+
+
+def _restore_quantized(directory: Path, cfg: ModelConfig, dtype) -> Params:
+    """An int8 checkpoint onto the default device: int8 values and float32 scales as saved, the
+    other weights (norms, biases, an untied embedding) cast to `dtype`."""
+    import orbax.checkpoint as ocp
+
+    template = jax.eval_shape(quantize_params, abstract_params(cfg, dtype))
+    device = NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("one",)), P())
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), template)
+    with ocp.StandardCheckpointer() as ckpt:
+        tree = ckpt.restore(directory / "params", _to_tree(target))
+    return _from_tree(tree, template)
 
 
 def _paths(params: Params) -> list[str]:

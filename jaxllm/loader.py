@@ -68,6 +68,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face checkpoint directory")
     if checkpoint.is_checkpoint(path):  # written by `jaxllm convert`: restored slice by slice
         params = checkpoint.restore(path, dtype=dtype, mesh=mesh, expert_parallel=expert_parallel)
+        if checkpoint.is_quantized(params):  # converted with --quant int8 already
+            return params
         return quantize_params(params, quant)  # whole, after the restore: float and int8 at once
     cfg, reader = hf.read_checkpoint(path)
     with reader:

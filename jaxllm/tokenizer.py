@@ -73,6 +73,21 @@ class Tokenizer:
             eos += [self.token_to_id(t) for t in END_OF_TURN_TOKENS if t in chat_template]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
 
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write tokenizer.json, tokenizer_config.json (special tokens, chat template) and
+        generation_config.json (stop ids): a directory `load_tokenizer` reads back as this one."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(directory / "tokenizer.json"))
+        sp = self._specials
+        config = {"bos_token": sp.bos, "eos_token": sp.eos, "unk_token": sp.unk, "pad_token": sp.pad,
+                  "extra_special_tokens": list(sp.extra)}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
+        (directory / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": list(self.eos_token_ids)}, indent=1))
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, "
                 f"eos_token_ids={self.eos_token_ids}, chat_template={self.chat_template is not None})")
