@@ -15,7 +15,7 @@ mean context of the decode steps (prompt + new/2), the prefill ones for the real
 roofline table and the measured step against it.
 
 JSON keys (times in the unit their name says; null when not available on this device):
-  preset, model, device, platform, jax_version, jaxlib_version, git, env, compile_cache,
+  preset, model, device, platform, jax_version, jaxlib_version, git, tp, env, compile_cache,
   dtype, quant, kv_dtype, batch, prompt_len, padded_prompt_len, new_tokens, cache_len, repeat,
   param_count, param_bytes, kv_cache_bytes,
   first_call_s, compile_s, generate_s, generate_s_all,
@@ -71,6 +71,9 @@ def parse_args(argv):
     p.add_argument("--quant", default="none", choices=("none", "int8"), help="weight quantization")
     p.add_argument("--kv-dtype", default=None, choices=("bf16", "int8"),
                    help="KV cache dtype (default: the model dtype)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel over this many devices (random weights drawn into their shards); "
+                        "the roofline columns stay those of the whole model on one device")
     p.add_argument("--repeat", type=int, default=3, help="timed generate calls per run (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace-dir", help="record one profiled generate call per run under this directory")
@@ -357,8 +360,12 @@ def main(argv=None) -> int:
     from jaxllm import layers, presets, quant
 
     dtype = jax.numpy.dtype(args.dtype)
+    mesh = None
+    if args.tp > 1:
+        from jaxllm.sharding import make_mesh
+        mesh = make_mesh(args.tp)
     if args.model:
-        params = jaxllm.load(args.model, dtype=dtype, quant=args.quant)
+        params = jaxllm.load(args.model, dtype=dtype, quant=args.quant, mesh=mesh)
     else:
         if args.preset not in presets.PRESETS:
             log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
@@ -368,14 +375,18 @@ def main(argv=None) -> int:
             log(f"bench: {args.preset} is a mixture of experts, which is not implemented yet in jaxllm")
             return 2
         t0 = time.perf_counter()
-        params = _wait(presets.random_params(cfg, args.seed, dtype))
+        if mesh is not None:
+            from jaxllm.sharding import init_sharded
+            params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype))
+        else:
+            params = _wait(presets.random_params(cfg, args.seed, dtype))
         if args.quant == "int8":  # the random float weights quantized (int8 values, per-channel scales)
             params = _wait(quant.quantize_params(params))
         log(f"bench: random {args.preset} weights{' in int8' if args.quant == 'int8' else ''} on "
             f"{jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f} s")
     label = dict(preset=args.preset, model=args.model, device=jax.devices()[0].device_kind,
                  platform=jax.default_backend(), jax_version=jax.__version__,
-                 jaxlib_version=jaxlib.__version__, git=_git_version(),
+                 jaxlib_version=jaxlib.__version__, git=_git_version(), tp=args.tp,
                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAXLLM_", "XLA_FLAGS"))},
                  compile_cache=jax.config.jax_compilation_cache_dir)
 

@@ -106,6 +106,16 @@ def test_bench_int8_runs_on_quantized_weights():
     assert run["weight_bytes_per_step"] < 0.6 * bf16
 
 
+def test_bench_tensor_parallel_on_two_devices():
+    env_flags = "--xla_force_host_platform_device_count=2"
+    proc = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--batch", "2", "--prompt-len", "8",
+                           "--new-tokens", "16", "--repeat", "1", "--tp", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=env_flags))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.splitlines()[0])
+    assert r["tp"] == 2 and r["error"] is None and r["decode_tokens_per_s"] > 0
+
+
 def test_bench_reports_a_failed_run_as_json_and_fails():
     # Prompt + new tokens over the tiny model's 1024-token context: that run errors, others go on.
     proc = _bench("--preset", "tiny", "--prompt-len", "1020,8", "--new-tokens", "8", "--repeat", "1")
