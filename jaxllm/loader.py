@@ -90,8 +90,13 @@ def _convert(cfg: ModelConfig, get, shapes, dtype, name: str, shard: dict | None
 
 
 def _gguf_cache_path(path: Path) -> Path:
+    """Keyed by the file (path, size, mtime) and by the code that converts it: an edited gguf.py or
+    tokenizer.py (stop ids) must never be served a conversion the old code wrote."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode())
+    here = Path(__file__).parent
+    for source in ("gguf.py", "tokenizer.py"):
+        key.update((here / source).read_bytes())
     return paths.cache_dir() / f"{path.stem}-{key.hexdigest()[:16]}"
 
 
