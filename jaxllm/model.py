@@ -6,8 +6,6 @@ into a `KVCache` at its shared cursor and return logits for the last position on
 call, for engines that keep their own bookkeeping.
 """
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,11 +58,11 @@ def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD, axis=None):
         out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
                         cfg.experts_per_token, cfg.norm_topk_prob,
                         expert_axis=axis if experts_split else None)  # moe psums expert splits itself
-        partial = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
+        partial_sum = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
     else:
         out_BTD = L.mlp(h_BTD, layer.w_gate_up, layer.w_down)
-        partial = split(layer.w_down.shape[1], cfg.ffn_size)
-    return jax.lax.psum(out_BTD, axis) if partial else out_BTD
+        partial_sum = split(layer.w_down.shape[1], cfg.ffn_size)
+    return jax.lax.psum(out_BTD, axis) if partial_sum else out_BTD
 
 
 def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None):
@@ -159,7 +157,7 @@ def jitted_step():
 
 
 def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
-    """Host-side validation of token ids: int, 2-D, inside [0, V)."""
+    """Host-side validation of token ids: integers inside [0, V); returned as int32."""
     arr = np.asarray(tokens)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
