@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from jaxllm.perplexity import add_perplexity
+from jaxllm.roofline import add_roofline
 
 
 class UsageError(Exception):
@@ -320,7 +321,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand; `--help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_convert]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_convert, add_roofline]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,3 +158,10 @@ def test_default_model_generate_and_chat():
     assert c.returncode == 0, c.stderr
     assert "Traceback" not in c.stderr
     assert c.stdout == r.stdout
+
+
+def test_roofline_subcommand(capsys):
+    from jaxllm.cli import main
+    assert main(["roofline", "smollm2-135m", "--batch", "1", "--context", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "gate_up" in out and "lm_head" in out and "step >=" in out
