@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -24,20 +25,17 @@ def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path, tiny):
 
 def test_bf16_checkpoint_matches_transformers_in_bf16(tmp_path, tiny):
     m = tiny("qwen3")
-    hf_bf16 = m.hf.to(torch.bfloat16)
-    try:
-        hf_bf16.save_pretrained(tmp_path)
-        params = jaxllm.load(tmp_path, dtype="bfloat16")
-        assert params.dtype == np.dtype("bfloat16")
-        tokens = tiny_models.random_tokens((1, 12))
-        with torch.no_grad():
-            ref = hf_bf16(torch.as_tensor(tokens)).logits.float().numpy()
-        ours = np.asarray(jaxllm.forward(params, tokens))
-        # bf16 results depend on kernel order: a relative bound, not equality (see DESIGN.md).
-        assert tiny_models.rel_err(ours, ref) < 3e-2
-        # The same bf16 weights upcast: loading converts without losing a bit.
-        exact = jaxllm.load(tmp_path, dtype="float32")
-        np.testing.assert_array_equal(np.asarray(exact.embed),
-                                      hf_bf16.model.embed_tokens.weight.detach().float().numpy())
-    finally:
-        m.hf.to(torch.float32)
+    hf_bf16 = copy.deepcopy(m.hf).to(torch.bfloat16)  # the shared float32 reference stays as it is
+    hf_bf16.save_pretrained(tmp_path)
+    params = jaxllm.load(tmp_path, dtype="bfloat16")
+    assert params.dtype == np.dtype("bfloat16")
+    tokens = tiny_models.random_tokens((1, 12))
+    with torch.no_grad():
+        ref = hf_bf16(torch.as_tensor(tokens)).logits.float().numpy()
+    ours = np.asarray(jaxllm.forward(params, tokens))
+    # bf16 results depend on kernel order: a relative bound, not equality (see DESIGN.md).
+    assert tiny_models.rel_err(ours, ref) < 3e-2
+    # The same bf16 weights upcast: loading converts without losing a bit.
+    exact = jaxllm.load(tmp_path, dtype="float32")
+    np.testing.assert_array_equal(np.asarray(exact.embed),
+                                  hf_bf16.model.embed_tokens.weight.detach().float().numpy())
