@@ -171,6 +171,7 @@ def _traced(tokens: Iterator[int], trace_dir: str | None, notes: list[str], warm
         notes.append("jaxllm: the answer ended before the decode loop warmed up; no trace written")
     elif hasattr(info, "how_to_open"):
         notes.append(f"jaxllm: decode steps from token {warmup} on: {info.how_to_open()}")
+        notes.append(str(info.summary(top=10)))  # what the steps spent their time on, from the trace
     else:
         notes.append(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}")
 

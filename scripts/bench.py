@@ -296,9 +296,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
 
     if args.trace_dir:
         run_dir = Path(args.trace_dir) / f"{(label['preset'] or Path(label['model']).name)}-b{batch}-p{prompt_len}"
-        with jax.profiler.trace(str(run_dir)):
+        from jaxllm.trace import trace  # steady state: generate() compiled in the runs above
+        with trace(run_dir) as recorded:
             _wait(generate())
-        log(f"bench: trace in {run_dir}")
+        log(f"bench: {recorded.how_to_open()}")
+        log(str(recorded.summary(top=12)))
     return result
 
 
