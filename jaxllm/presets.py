@@ -30,6 +30,12 @@ PRESETS: dict[str, ModelConfig] = {
         model_type="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, ffn_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), bos_token_id=1, eos_token_ids=(2,)),
+    # Test-sized mixture of experts (4 experts, top-2), for the bench's MoE and expert-parallel paths.
+    "tiny-moe": ModelConfig(
+        model_type="mixtral", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, ffn_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), num_experts=4, experts_per_token=2, moe_ffn_size=96,
+        norm_topk_prob=True, moe_layers=(True, True), bos_token_id=1, eos_token_ids=(2,)),
     # HuggingFaceTB/SmolLM2-135M-Instruct (the default model's shape).
     "smollm2-135m": ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,

@@ -74,6 +74,9 @@ def parse_args(argv):
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel over this many devices (random weights drawn into their shards); "
                         "the roofline columns stay those of the whole model on one device")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tp on a mixture of experts: split the experts over the devices instead "
+                        "of each expert's F")
     p.add_argument("--repeat", type=int, default=3, help="timed generate calls per run (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace-dir", help="record one profiled generate call per run under this directory")
@@ -367,7 +370,8 @@ def main(argv=None) -> int:
         from jaxllm.sharding import make_mesh
         mesh = make_mesh(args.tp)
     if args.model:
-        params = jaxllm.load(args.model, dtype=dtype, quant=args.quant, mesh=mesh)
+        params = jaxllm.load(args.model, dtype=dtype, quant=args.quant, mesh=mesh,
+                             expert_parallel=args.expert_parallel)
     else:
         if args.preset not in presets.PRESETS:
             log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
@@ -379,7 +383,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if mesh is not None:
             from jaxllm.sharding import init_sharded
-            params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype))
+            params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype,
+                                        expert_parallel=args.expert_parallel))
         else:
             params = _wait(presets.random_params(cfg, args.seed, dtype))
         if args.quant == "int8":  # the random float weights quantized (int8 values, per-channel scales)

@@ -106,11 +106,13 @@ def test_bench_int8_runs_on_quantized_weights():
     assert run["weight_bytes_per_step"] < 0.6 * bf16
 
 
-def test_bench_tensor_parallel_on_two_devices():
+@pytest.mark.parametrize("preset, extra", [("tiny", []), ("tiny-moe", ["--expert-parallel"])])
+def test_bench_tensor_parallel_on_two_devices(preset, extra):
     env_flags = "--xla_force_host_platform_device_count=2"
-    proc = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--batch", "2", "--prompt-len", "8",
-                           "--new-tokens", "16", "--repeat", "1", "--tp", "2"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=env_flags))
+    proc = subprocess.run([sys.executable, str(BENCH), "--preset", preset, "--batch", "2", "--prompt-len", "8",
+                           "--new-tokens", "16", "--repeat", "1", "--tp", "2", *extra], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=env_flags))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[0])
     assert r["tp"] == 2 and r["error"] is None and r["decode_tokens_per_s"] > 0
