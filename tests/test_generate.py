@@ -1,17 +1,16 @@
 """generate's contract: ragged batches, stop ids, shape buckets, seeds, and its streaming twin."""
 
-import contextlib
 import dataclasses
 import json
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
 import jaxllm
 from jaxllm.generate import _generate_core, pad_prompts
 from tiny_models import hf_greedy, rel_err, random_tokens
+from compile_counting import compilations
 
 NEW = 20  # with a [2, 12] prompt: the shapes test_parity's greedy test compiled already
 
@@ -92,21 +91,6 @@ def test_stop_ids_are_read_from_generation_config(llama, tmp_path):
     shutil.copytree(llama.path, tmp_path, dirs_exist_ok=True)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
     assert jaxllm.load(tmp_path, dtype="float32").config.eos_token_ids == (5, 9)
-
-
-@contextlib.contextmanager
-def compilations():
-    """Names of the functions XLA compiles inside the block (any function, any shape)."""
-    names = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(kwargs.get("fun_name", "?"))
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_new_lengths_within_a_bucket_compile_nothing(llama):

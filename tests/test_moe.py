@@ -26,6 +26,7 @@ import transformers
 import jaxllm
 from jaxllm import layers as L
 from jaxllm.config import ModelConfig, RopeConfig
+from tiny_models import rel_err
 from jaxllm.params import abstract_params
 
 VOCAB = 256
@@ -49,13 +50,6 @@ VARIANTS = {
         norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3])),
 }
 NAMES = list(VARIANTS)
-
-
-def rel_err(actual, reference) -> float:
-    """max |a - b| / max |b|."""
-    actual, reference = np.asarray(actual, np.float64), np.asarray(reference, np.float64)
-    assert actual.shape == reference.shape, (actual.shape, reference.shape)
-    return float(np.abs(actual - reference).max() / np.abs(reference).max())
 
 
 def tokens(shape, seed=0) -> np.ndarray:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
@@ -17,8 +16,8 @@ import pytest
 
 import jaxllm
 from jaxllm.trace import RecompileWarning, summarize, trace, trace_steady
+from compile_counting import compilations
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def tiny_config(vocab: int) -> jaxllm.ModelConfig:
@@ -27,22 +26,6 @@ def tiny_config(vocab: int) -> jaxllm.ModelConfig:
     return jaxllm.ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, num_layers=2,
                               num_heads=4, num_kv_heads=2, head_dim=8, ffn_size=64,
                               max_position_embeddings=256)
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compilations (persistent-cache loads included) inside the block."""
-    names: list[str] = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE:
-            names.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +150,12 @@ def test_same_bucket_compiles_nothing_and_a_new_bucket_warns_once():
         jax.block_until_ready(jaxllm.generate(params, [[1] * 5], max_new_tokens=4))  # bucket 16
         assert not [w for w in caught if w.category is RecompileWarning], "the first compile is expected"
 
-        with count_compiles() as compiled:
+        with compilations() as compiled:
             jax.block_until_ready(jaxllm.generate(params, [[2] * 9], max_new_tokens=4))  # bucket 16
         assert compiled == []
         assert not [w for w in caught if w.category is RecompileWarning]
 
-        with count_compiles() as compiled:
+        with compilations() as compiled:
             jax.block_until_ready(jaxllm.generate(params, [[2] * 20], max_new_tokens=4))  # bucket 32
         assert any("_generate_core" in name for name in compiled)
         recompiles = [w for w in caught if w.category is RecompileWarning]
