@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.cache import KVCache, init_cache
+from jaxllm.cache import init_cache
 from jaxllm.memory import check_fit
 from jaxllm.model import check_tokens, jitted_step, step
 from jaxllm.params import Params

@@ -90,7 +90,7 @@ def _qkv(cfg: ModelConfig):
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     """The parameters of layer i (MoE layers and family switches change the set)."""
     K, G, H, D, convert_qkv = _qkv(cfg)
-    N, F, E = cfg.num_heads, cfg.ffn_size, cfg.num_experts
+    N, F = cfg.num_heads, cfg.ffn_size
     p = f"model.layers.{i}."
     ident = lambda x: x  # noqa: E731
     specs = {

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from functools import lru_cache
