@@ -18,6 +18,9 @@ class KVCache:
     v: list[jax.Array]  # per layer [B, K, S, H]
     cursor: jax.Array  # int32 []: the next slot to write (slots filled so far)
     start: jax.Array  # int32 [B]: first slot holding a real token, per row
+    # int8 caches only: one float32 scale per (row, KV head, slot), k ~= k_int8 * scale.
+    k_scale: list[jax.Array] | None = None  # per layer [B, K, S]
+    v_scale: list[jax.Array] | None = None
 
     @property
     def batch(self) -> int:
@@ -28,15 +31,39 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16, start=None) -> KVCache:
-    """An empty cache of `length` slots for `batch` rows; `start` defaults to 0 for every row."""
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16, start=None,
+               kv_dtype=None) -> KVCache:
+    """An empty cache of `length` slots for `batch` rows; `start` defaults to 0 for every row.
+
+    `kv_dtype` "int8" (or jnp.int8) stores keys and values as int8 with a float32 scale per
+    (row, KV head, slot): half the bytes a decode step reads from the cache. Default: `dtype`.
+    """
+    L = config.num_layers
     shape = (batch, config.num_kv_heads, length, config.head_dim)
     start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
-    return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-                   v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
-                   cursor=jnp.zeros((), jnp.int32), start=start)
+    int8 = is_int8(kv_dtype)
+    store = jnp.int8 if int8 else dtype
+    scales = [jnp.ones(shape[:3], jnp.float32) for _ in range(L)] if int8 else None
+    return KVCache(k=[jnp.zeros(shape, store) for _ in range(L)], v=[jnp.zeros(shape, store) for _ in range(L)],
+                   cursor=jnp.zeros((), jnp.int32), start=start,
+                   k_scale=scales, v_scale=None if scales is None else [x for x in scales])
 
 
-def cache_bytes(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> int:
-    return 2 * config.num_layers * batch * length * config.num_kv_heads * config.head_dim * \
-        jnp.dtype(dtype).itemsize
+def is_int8(kv_dtype) -> bool:
+    """Whether a kv_dtype setting asks for the int8 cache: None or "auto" keep the model dtype."""
+    if kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype == "auto"):
+        return False
+    try:
+        if jnp.dtype(kv_dtype) == jnp.int8:
+            return True
+    except TypeError:
+        pass
+    raise ValueError(f"unsupported kv_dtype {kv_dtype!r}: 'int8', or None / 'auto' for the model's dtype")
+
+
+def cache_bytes(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16, kv_dtype=None) -> int:
+    """Bytes of the whole cache: 2 * L * B * S * K * (H * itemsize, plus a float32 scale if int8)."""
+    per_slot = config.head_dim * (1 if is_int8(kv_dtype) else jnp.dtype(dtype).itemsize)
+    if is_int8(kv_dtype):
+        per_slot += 4
+    return 2 * config.num_layers * batch * length * config.num_kv_heads * per_slot

@@ -70,6 +70,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="> 0; 1 is off (default: 1)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
+    g.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto",
+                   help="KV cache: auto = the model's dtype; int8 = int8 with per-slot scales (default: auto)")
 
 
 def add_system_arg(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +95,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
         SamplingConfig(**kwargs).validate()  # before the model loads: a typo costs no waiting
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return dict(kwargs, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return dict(kwargs, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
 
 def _model_path(path: str | None) -> Path:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.cache import init_cache
+from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
 from jaxllm.model import check_tokens, jitted_step, step
 from jaxllm.params import Params
@@ -93,14 +93,14 @@ def _choose(logits_BV, seen_BV, key, index, values, flags):
                       greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
 
 
-@partial(jax.jit, static_argnames=("cache_length", "steps", "flags"))
+@partial(jax.jit, static_argnames=("cache_length", "steps", "flags", "kv_int8"))
 def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, values, *,
-                   cache_length: int, steps: int, flags):
+                   cache_length: int, steps: int, flags, kv_int8: bool = False):
     cfg = params.config
     B = tokens_BT.shape[0]
     pad = jnp.int32(cfg.pad_id)
     use_penalty = flags[4]
-    cache = init_cache(cfg, B, cache_length, params.dtype, start_B)
+    cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
     seen = _seen_from_prompt(tokens_BT, start_B, cfg.vocab_size) if use_penalty else jnp.zeros((B, 1), bool)
     logits_BV, cache = step(params, tokens_BT, cache)
     token_B = _choose(logits_BV, seen, key, 0, values, flags)
@@ -130,7 +130,7 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
     return out_BN, lengths_B
 
 
-def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig):
+def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None):
     cfg = params.config
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
@@ -141,22 +141,28 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig):
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is {longest + max_new_tokens}, "
             f"over the model's context of {cfg.max_position_embeddings} tokens")
     steps = bucket(max_new_tokens)
-    check_fit(params, tokens.shape[0], tokens.shape[1], tokens.shape[1] + steps)  # before allocating
+    if is_int8(kv_dtype) and params.tp is not None:
+        raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
+    check_fit(params, tokens.shape[0], tokens.shape[1], tokens.shape[1] + steps,
+              kv_dtype)  # before allocating
     return tokens, start, steps, tokens.shape[1] + steps
 
 
 def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             eos_token_ids: Sequence[int] | None = None, seed: int = 0) -> GenerateOutput:
-    """Generate up to max_new_tokens per row; greedy at temperature 0. See DESIGN.md for the contract."""
+             eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> GenerateOutput:
+    """Generate up to max_new_tokens per row; greedy at temperature 0. See DESIGN.md for the contract.
+
+    `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales (default: the model dtype).
+    """
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    tokens, start, steps, cache_length = _plan(params, ids, max_new_tokens, sampling)
+    tokens, start, steps, cache_length = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
     stops = params.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     compiled = compile_count(_generate_core)  # to warn when a new shape compiles again
     out, lengths = _generate_core(
         params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed), jnp.int32(max_new_tokens),
         _stop_array(stops), sampling.values(), cache_length=cache_length, steps=steps,
-        flags=sampling.static())
+        flags=sampling.static(), kv_int8=is_int8(kv_dtype))
     check_recompile(_generate_core, compiled, "generate", group=(params.config, params.dtype),
                     describe=lambda: shape_text(*tokens.shape, cache_length, steps, sampling))
     return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)
@@ -169,14 +175,14 @@ def _choose_jit(logits_BV, seen_BV, key, index, values, flags):
 
 def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-           eos_token_ids: Sequence[int] | None = None, seed: int = 0) -> Iterator[int]:
+           eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced, the stop token included."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling)
+    tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype)
     stops = set(params.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     flags, values = sampling.static(), sampling.values()
     key = jax.random.key(seed)
-    cache = init_cache(params.config, 1, cache_length, params.dtype, jnp.asarray(start))
+    cache = init_cache(params.config, 1, cache_length, params.dtype, jnp.asarray(start), kv_dtype=kv_dtype)
     tokens_dev = jnp.asarray(tokens)
     seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \
         jnp.zeros((1, 1), bool)

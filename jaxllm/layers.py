@@ -81,18 +81,34 @@ def visible_mask(q_slots_T, start_B, num_slots: int, window: int | None):
     return causal_TS[None, :, :] & (s_S[None, None, :] >= start_B[:, None, None])
 
 
-def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS):
+def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=None):
     """Grouped-query attention of T queries over S keys; softmax in float32.
 
     A query with no visible key (a padding position) gets uniform weights instead of NaN: its
     output is never read, and masking with the dtype's minimum rather than -inf keeps it finite.
+    An int8 cache passes its per-slot scales: a slot's scale is constant along H, so it multiplies
+    the scores (keys) and the probabilities (values) instead of a dequantized copy of the cache.
     """
+    dtype = q_BTKGH.dtype
     scale = q_BTKGH.shape[-1] ** -0.5
-    scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
+    scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH.astype(dtype),
                               preferred_element_type=jnp.float32) * scale
+    if k_scale_BKS is not None:
+        scores_BKGTS = scores_BKGTS * k_scale_BKS[:, :, None, None, :]
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSH.dtype)
-    return jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS, v_BKSH)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+    if v_scale_BKS is not None:
+        probs_BKGTS = probs_BKGTS * v_scale_BKS[:, :, None, None, :]
+    return jnp.einsum("BKGTS,BKSH->BTKGH", probs_BKGTS.astype(dtype), v_BKSH.astype(dtype))
+
+
+def quantize_kv(x_BKTH):
+    """int8 values and a float32 scale per (row, head, token): x ~= q * scale, |error| <= scale/2."""
+    x32 = x_BKTH.astype(jnp.float32)
+    scale_BKT = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+    scale_BKT = jnp.where(scale_BKT == 0, 1.0, scale_BKT)  # an all-zero vector stays exactly zero
+    q_BKTH = jnp.clip(jnp.round(x32 / scale_BKT[..., None]), -127, 127).astype(jnp.int8)
+    return q_BKTH, scale_BKT
 
 
 def mlp(x_BTD, w_gate_up_JFD, w_down_DF):

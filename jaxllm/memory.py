@@ -84,7 +84,7 @@ def _largest(fits, hi: int) -> int:
     return lo
 
 
-def check_fit(params: Params, batch: int, tokens: int, length: int) -> None:
+def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> None:
     """ValueError unless a cache of `length` slots for `batch` rows and a step of `tokens` new
     tokens per row fit in the free memory of every device the params live on."""
     cfg, tp = params.config, params.tp
@@ -99,7 +99,7 @@ def check_fit(params: Params, batch: int, tokens: int, length: int) -> None:
     dtype = params.dtype
 
     def need(b: int, s: int) -> tuple[int, int]:
-        kv = cache_bytes(cfg, b, s, dtype) // heads
+        kv = cache_bytes(cfg, b, s, dtype, kv_dtype) // heads
         return kv, activation_bytes(cfg, b, min(tokens, s), s, dtype, **split)
 
     for device in devices:

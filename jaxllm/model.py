@@ -17,9 +17,11 @@ from jaxllm.config import ModelConfig, rope_frequencies
 from jaxllm.params import Layer, Params
 
 
-def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cache, v_cache, cursor,
+def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cursor,
                      mask_BTS, inv_freq, rope_scale, axis=None):
-    """Self-attention of T new tokens over the cache; returns (out_BTD, k_cache, v_cache).
+    """Self-attention of T new tokens over the cache; returns (out_BTD, kv).
+
+    `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
 
     With `axis` (inside shard_map), K is the device's KV heads and the output is psummed over it.
     """
@@ -35,19 +37,28 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, k_cach
         k_BTKH = L.rms_norm(k_BTKH, layer.k_norm, cfg.rms_norm_eps)
     q_BTNH = L.rope(q_BTNH, positions_BT, inv_freq, rope_scale)
     k_BTKH = L.rope(k_BTKH, positions_BT, inv_freq, rope_scale)
-    zero = jnp.zeros((), jnp.int32)
-    k_cache = jax.lax.dynamic_update_slice(
-        k_cache, k_BTKH.transpose(0, 2, 1, 3).astype(k_cache.dtype), (zero, zero, cursor, zero))
-    v_cache = jax.lax.dynamic_update_slice(
-        v_cache, v_BTKH.transpose(0, 2, 1, 3).astype(v_cache.dtype), (zero, zero, cursor, zero))
-    out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS)
+    kv = tuple(_write(cache, new_BKTH, scale, cursor) for cache, new_BKTH, scale in
+               ((kv[0], k_BTKH.transpose(0, 2, 1, 3), kv[2]), (kv[1], v_BTKH.transpose(0, 2, 1, 3), kv[3])))
+    (k_cache, k_scale), (v_cache, v_scale) = kv
+    out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS, k_scale, v_scale)
     # One flat contraction over (K, G, H): given as three axes, XLA transposed all of wo per step.
     out_BTD = L.project(out_BTKGH.reshape(B, T, K * G * H), layer.wo.reshape(layer.wo.shape[0], -1))
     if axis is not None and sharding.is_split(layer.wqkv.shape[0], cfg.num_kv_heads):
         out_BTD = jax.lax.psum(out_BTD, axis)  # each device's heads add a part; the bias comes once
     if layer.bo is not None:
         out_BTD = out_BTD + layer.bo
-    return out_BTD, k_cache, v_cache
+    return out_BTD, (k_cache, v_cache, k_scale, v_scale)
+
+
+def _write(cache_BKSH, new_BKTH, scale_BKS, cursor):
+    """Write T new slots at the cursor; an int8 cache (scale given) quantizes them per slot first."""
+    zero = jnp.zeros((), jnp.int32)
+    if scale_BKS is None:
+        return jax.lax.dynamic_update_slice(cache_BKSH, new_BKTH.astype(cache_BKSH.dtype),
+                                            (zero, zero, cursor, zero)), None
+    q_BKTH, s_BKT = L.quantize_kv(new_BKTH)
+    return (jax.lax.dynamic_update_slice(cache_BKSH, q_BKTH, (zero, zero, cursor, zero)),
+            jax.lax.dynamic_update_slice(scale_BKS, s_BKT, (zero, zero, cursor)))
 
 
 def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD, axis=None):
@@ -83,21 +94,25 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None):
     masks = {w: L.visible_mask(q_slots_T, cache.start, cache.length, w)
              for w in {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
-    new_k, new_v = [], []
+    new_kv = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 window = cfg.sliding_window if cfg.is_sliding(i) else None
                 h_BTD = L.rms_norm(x_BTD, layer.attn_norm, cfg.rms_norm_eps)
-                out_BTD, k, v = _attention_block(cfg, layer, h_BTD, positions_BT, cache.k[i], cache.v[i],
-                                                 cache.cursor, masks[window], inv_freq, rope_scale, axis)
+                kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
+                      cache.v_scale and cache.v_scale[i])
+                out_BTD, kv = _attention_block(cfg, layer, h_BTD, positions_BT, kv, cache.cursor,
+                                               masks[window], inv_freq, rope_scale, axis)
                 x_BTD = x_BTD + out_BTD
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
                 x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm,
                                                                       cfg.rms_norm_eps), axis)
-        new_k.append(k)
-        new_v.append(v)
-    cache = cache.replace(k=new_k, v=new_v, cursor=cache.cursor + T)
+        new_kv.append(kv)
+    k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
+    cache = cache.replace(k=k, v=v, cursor=cache.cursor + T,
+                          k_scale=None if cache.k_scale is None else k_scale,
+                          v_scale=None if cache.v_scale is None else v_scale)
     return x_BTD, cache
 
 
@@ -179,7 +194,9 @@ def forward(params: Params, tokens_BT) -> jax.Array:
     return _forward(params, jnp.asarray(tokens))
 
 
-def _check_room(cache: KVCache, new: int):
+def _check_room(cache: KVCache, new: int, params: Params):
+    if cache.k_scale is not None and params.tp is not None:
+        raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
     cursor = int(cache.cursor)
     if cursor + new > cache.length:
         raise ValueError(f"cache full: writing {new} token(s) at slot {cursor} needs "
@@ -191,7 +208,7 @@ def prefill(params: Params, tokens_BT, cache: KVCache):
     tokens = check_tokens(params.config, tokens_BT)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != cache.batch:
         raise ValueError(f"prefill needs [B={cache.batch}, T>0] tokens, got shape {tokens.shape}")
-    _check_room(cache, tokens.shape[1])
+    _check_room(cache, tokens.shape[1], params)
     return jitted_step()(params, jnp.asarray(tokens), cache)
 
 
@@ -200,5 +217,5 @@ def decode_step(params: Params, tokens_B, cache: KVCache):
     tokens = check_tokens(params.config, tokens_B)
     if tokens.shape != (cache.batch,):
         raise ValueError(f"decode_step needs [B={cache.batch}] tokens, got shape {tokens.shape}")
-    _check_room(cache, 1)
+    _check_room(cache, 1, params)
     return jitted_step()(params, jnp.asarray(tokens)[:, None], cache)

@@ -98,8 +98,6 @@ def parse_args(argv):
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     # Refuse what the library cannot do yet rather than benchmark something else under its name.
-    if args.kv_dtype == "int8":
-        p.error("--kv-dtype int8 is not implemented yet in jaxllm (the KV cache follows the model dtype)")
     if args.kv_dtype == "bf16" and args.dtype != "bfloat16":
         p.error(f"--kv-dtype bf16 with --dtype {args.dtype} is not implemented yet in jaxllm "
                 "(the KV cache follows the model dtype)")
@@ -217,8 +215,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     rng = np.random.default_rng([args.seed, batch, prompt_len])
     ids = rng.integers(0, cfg.vocab_size, size=(batch, prompt_len), dtype=np.int32)
 
+    kv_dtype = "int8" if args.kv_dtype == "int8" else None  # None: the cache follows the model dtype
+
     def generate():
-        return jaxllm.generate(params, ids, max_new_tokens=new, temperature=0.0, eos_token_ids=[])
+        return jaxllm.generate(params, ids, max_new_tokens=new, temperature=0.0, eos_token_ids=[],
+                               kv_dtype=kv_dtype)
 
     log(f"bench: {label['preset'] or label['model']} batch {batch}, prompt {prompt_len}, {new} new tokens")
     t0 = time.perf_counter()
@@ -238,7 +239,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
 
     @jax.jit
     def prefill_jit(params, tokens, start):
-        return step(params, tokens, init_cache(cfg, batch, cache_len, params.dtype, start))
+        return step(params, tokens, init_cache(cfg, batch, cache_len, params.dtype, start, kv_dtype))
 
     def prefill():
         return prefill_jit(params, tokens, start)
@@ -258,9 +259,10 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     dtype = params.dtype
     weights = "int8" if args.quant == "int8" else dtype  # the roofline's name for int8 weights
     context = prompt_len + new // 2
-    dec = roofline.analyze(cfg, batch, context, 1, weights, dtype, peak_bw=DATASHEET_BW,
+    kv_store = "int8" if kv_dtype else dtype
+    dec = roofline.analyze(cfg, batch, context, 1, weights, kv_store, peak_bw=DATASHEET_BW,
                            peak_flops=matmul_flops, name=label["preset"] or label["model"])
-    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, weights, dtype, peak_bw=DATASHEET_BW,
+    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, weights, kv_store, peak_bw=DATASHEET_BW,
                            peak_flops=matmul_flops)
     dt, pt = dec["totals"], pre["totals"]
     step_bytes = dt["bytes"]
@@ -268,11 +270,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     copy_bw = (peaks.get("copy_tbps") or 0) * 1e12 or None
     result = dict(
         label,
-        dtype=str(dtype), quant=args.quant, kv_dtype=str(dtype),
+        dtype=str(dtype), quant=args.quant, kv_dtype=str(kv_dtype or dtype),
         batch=batch, prompt_len=prompt_len, padded_prompt_len=int(tokens.shape[1]), new_tokens=new,
         cache_len=cache_len, repeat=args.repeat,
         param_count=param_count(params), param_bytes=param_bytes(params),
-        kv_cache_bytes=cache_bytes(cfg, batch, cache_len, dtype),
+        kv_cache_bytes=cache_bytes(cfg, batch, cache_len, dtype, kv_dtype),
         first_call_s=first_call_s, compile_s=max(0.0, first_call_s - generate_s),
         generate_s=generate_s, generate_s_all=generate_all,
         prefill_ms=prefill_s * 1e3, prefill_flops=pt["flops"], prefill_tflops=pt["flops"] / prefill_s / 1e12,

@@ -81,7 +81,6 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kv-dtype", "int8"], "--kv-dtype int8 is not implemented yet"),
     (["--dtype", "float32", "--kv-dtype", "bf16"], "not implemented yet"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
     (["--batch", "1,0"], "integers >= 1"),
@@ -114,6 +113,17 @@ def test_bench_tensor_parallel_on_two_devices(preset, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[0])
     assert r["tp"] == 2 and r["error"] is None and r["decode_tokens_per_s"] > 0
+
+
+def test_bench_int8_kv_cache():
+    proc = _bench("--preset", "tiny", "--batch", "2", "--prompt-len", "8", "--new-tokens", "16", "--repeat", "1",
+                  "--kv-dtype", "int8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.splitlines()[0])
+    cfg = presets.PRESETS["tiny"]
+    assert r["kv_dtype"] == "int8" and r["error"] is None
+    # int8 values plus a float32 scale per (row, KV head, slot), for k and v of every layer.
+    assert r["kv_cache_bytes"] == 2 * cfg.num_layers * 2 * r["cache_len"] * cfg.num_kv_heads * (cfg.head_dim + 4)
 
 
 def test_bench_reports_a_failed_run_as_json_and_fails():
