@@ -43,10 +43,10 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16,
     start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
     int8 = is_int8(kv_dtype)
     store = jnp.int8 if int8 else dtype
-    scales = [jnp.ones(shape[:3], jnp.float32) for _ in range(L)] if int8 else None
+    # Distinct arrays for every leaf: the cache is donated, and one buffer cannot be donated twice.
+    scales = (lambda: [jnp.ones(shape[:3], jnp.float32) for _ in range(L)]) if int8 else (lambda: None)
     return KVCache(k=[jnp.zeros(shape, store) for _ in range(L)], v=[jnp.zeros(shape, store) for _ in range(L)],
-                   cursor=jnp.zeros((), jnp.int32), start=start,
-                   k_scale=scales, v_scale=None if scales is None else [x for x in scales])
+                   cursor=jnp.zeros((), jnp.int32), start=start, k_scale=scales(), v_scale=scales())
 
 
 def is_int8(kv_dtype) -> bool:

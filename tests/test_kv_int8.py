@@ -39,6 +39,9 @@ def test_int8_cache_decode_is_close_to_the_full_forward(tiny):
         logits, cache = jaxllm.decode_step(m.params, ids[:, t], cache)
         steps.append(np.asarray(logits))
     assert cache.k[0].dtype == jnp.int8 and cache.k_scale[0].shape == (2, m.params.config.num_kv_heads, 32)
+    # Every leaf its own buffer: decode_step donates the cache on GPUs, and a buffer cannot go twice.
+    fresh = jax.tree.leaves(init_cache(m.params.config, 2, 32, jnp.float32, kv_dtype="int8"))
+    assert len({id(x) for x in fresh}) == len(fresh)
     err = rel_err(np.stack(steps, 1), full[:, 9:14])
     # 8-bit rounding of k and v (each within 1/254 of its slot's largest entry): measured 2.8e-2 on
     # this model, whose redrawn weights spread the logits wide; the float cache stays within 1e-5.
