@@ -8,6 +8,7 @@ call: no host round trip per token, and prompts within one bucket reuse one comp
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Iterator, NamedTuple, Sequence
 
@@ -24,6 +25,9 @@ from jaxllm.trace import check_recompile, compile_count, shape_text
 
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile
+# Decode steps per iteration of generate's while loop (JAXLLM_DECODE_UNROLL, for benchmarking):
+# each iteration ends in a device-to-host read of the loop condition.
+DECODE_UNROLL = int(os.environ.get("JAXLLM_DECODE_UNROLL", "1"))
 
 
 class GenerateOutput(NamedTuple):
@@ -102,9 +106,10 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
     use_penalty = flags[4]
     cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
     seen = _seen_from_prompt(tokens_BT, start_B, cfg.vocab_size) if use_penalty else jnp.zeros((B, 1), bool)
-    logits_BV, cache = step(params, tokens_BT, cache)
+    logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
     token_B = _choose(logits_BV, seen, key, 0, values, flags)
-    out_BN = jnp.full((B, steps), pad, jnp.int32).at[:, 0].set(token_B)
+    # Room for the steps an unrolled last iteration runs past max_new (their tokens are pad).
+    out_BN = jnp.full((B, steps + DECODE_UNROLL - 1), pad, jnp.int32).at[:, 0].set(token_B)
     done_B = jnp.isin(token_B, stop_ids)
     lengths_B = jnp.ones((B,), jnp.int32)
     if use_penalty:
@@ -114,8 +119,9 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
         i, _, _, _, done_B, _, _ = carry
         return (i < max_new) & ~jnp.all(done_B)
 
-    def body(carry):
+    def one_step(carry):
         i, token_B, cache, out_BN, done_B, lengths_B, seen = carry
+        done_B = done_B | (i >= max_new)  # an unrolled iteration's steps past the end make pad
         logits_BV, cache = step(params, token_B[:, None], cache)
         new_B = jnp.where(done_B, pad, _choose(logits_BV, seen, key, i, values, flags))
         out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (jnp.int32(0), i))
@@ -125,9 +131,14 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
         done_B = done_B | jnp.isin(new_B, stop_ids)
         return i + 1, new_B, cache, out_BN, done_B, lengths_B, seen
 
+    def body(carry):
+        for _ in range(DECODE_UNROLL):
+            carry = one_step(carry)
+        return carry
+
     carry = (jnp.int32(1), token_B, cache, out_BN, done_B, lengths_B, seen)
     _, _, _, out_BN, _, lengths_B, _ = jax.lax.while_loop(cond, body, carry)
-    return out_BN, lengths_B
+    return out_BN[:, :steps], lengths_B
 
 
 def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None):
@@ -188,7 +199,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
         jnp.zeros((1, 1), bool)
     run = jitted_step()
     compiled = compile_count(run)
-    logits_BV, cache = run(params, tokens_dev, cache)
+    logits_BV, cache = run(params, tokens_dev, cache, fresh=True)
     check_recompile(run, compiled, "stream", group=(params.config, params.dtype),
                     describe=lambda: shape_text(*tokens.shape, cache_length))
     for i in range(max_new_tokens):

@@ -6,6 +6,8 @@ into a `KVCache` at its shared cursor and return logits for the last position on
 call, for engines that keep their own bookkeeping.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +20,12 @@ from jaxllm.params import Layer, Params
 
 
 def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cursor,
-                     mask_BTS, inv_freq, rope_scale, axis=None):
+                     mask_BTS, inv_freq, rope_scale, axis=None, window=None, unroll_BT=None):
     """Self-attention of T new tokens over the cache; returns (out_BTD, kv).
 
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
+    `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
+    0, attend among themselves only, and go into the cache rotated back by these indices.
 
     With `axis` (inside shard_map), K is the device's KV heads and the output is psummed over it.
     """
@@ -37,10 +41,16 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cu
         k_BTKH = L.rms_norm(k_BTKH, layer.k_norm, cfg.rms_norm_eps)
     q_BTNH = L.rope(q_BTNH, positions_BT, inv_freq, rope_scale)
     k_BTKH = L.rope(k_BTKH, positions_BT, inv_freq, rope_scale)
+    if unroll_BT is not None:
+        out_BTKGH = L.causal_attention(q_BTNH, k_BTKH, v_BTKH, window).reshape(B, T, K, G, H)
+        k_BTKH, v_BTKH = (jnp.take_along_axis(x, unroll_BT[:, :, None, None], axis=1)
+                          for x in (k_BTKH, v_BTKH))
     kv = tuple(_write(cache, new_BKTH, scale, cursor) for cache, new_BKTH, scale in
                ((kv[0], k_BTKH.transpose(0, 2, 1, 3), kv[2]), (kv[1], v_BTKH.transpose(0, 2, 1, 3), kv[3])))
     (k_cache, k_scale), (v_cache, v_scale) = kv
-    out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS, k_scale, v_scale)
+    if unroll_BT is None:
+        out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS, k_scale,
+                                v_scale)
     # One flat contraction over (K, G, H): given as three axes, XLA transposed all of wo per step.
     out_BTD = L.project(out_BTKGH.reshape(B, T, K * G * H), layer.wo.reshape(layer.wo.shape[0], -1))
     if axis is not None and sharding.is_split(layer.wqkv.shape[0], cfg.num_kv_heads):
@@ -76,23 +86,36 @@ def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD, axis=None):
     return jax.lax.psum(out_BTD, axis) if partial_sum else out_BTD
 
 
-def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None):
+def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
     """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, new cache).
 
     `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
+    `fresh`: the caller guarantees the cache is empty (cursor 0), so the tokens attend only among
+    themselves: each row is rotated left by its padding, so its prompt starts at index 0 and
+    plain causal attention (a fused kernel on GPUs) needs no padding mask; the keys and values go
+    into the cache, and the hidden states come out, rotated back to the left-padded layout.
     """
     cfg = params.config
-    T = tokens_BT.shape[1]
+    B, T = tokens_BT.shape
     # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
     # where transformers leaves the base alone; the cache length (left padding, bucket slack)
     # says nothing about how far positions go.
     inv_freq, rope_scale = rope_frequencies(cfg)
     inv_freq = jnp.asarray(inv_freq)
-    q_slots_T = cache.cursor + jnp.arange(T, dtype=jnp.int32)
-    # Left padding sits before start; its (unused) positions are clamped to 0.
-    positions_BT = jnp.maximum(q_slots_T[None, :] - cache.start[:, None], 0)
-    masks = {w: L.visible_mask(q_slots_T, cache.start, cache.length, w)
-             for w in {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}}
+    windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    if fresh:
+        roll_BT = (t_T[None, :] + cache.start[:, None]) % T
+        unroll_BT = (t_T[None, :] - cache.start[:, None]) % T
+        tokens_BT = jnp.take_along_axis(tokens_BT, roll_BT, axis=1)
+        positions_BT = jnp.broadcast_to(t_T, (B, T))
+        masks = dict.fromkeys(windows)
+    else:
+        unroll_BT = None
+        q_slots_T = cache.cursor + t_T
+        # Left padding sits before start; its (unused) positions are clamped to 0.
+        positions_BT = jnp.maximum(q_slots_T[None, :] - cache.start[:, None], 0)
+        masks = {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
     new_kv = []
     for i, layer in enumerate(params.layers):
@@ -103,12 +126,15 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None):
                 kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
                       cache.v_scale and cache.v_scale[i])
                 out_BTD, kv = _attention_block(cfg, layer, h_BTD, positions_BT, kv, cache.cursor,
-                                               masks[window], inv_freq, rope_scale, axis)
+                                               masks[window], inv_freq, rope_scale, axis, window,
+                                               unroll_BT)
                 x_BTD = x_BTD + out_BTD
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
                 x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm,
                                                                       cfg.rms_norm_eps), axis)
         new_kv.append(kv)
+    if fresh:
+        x_BTD = jnp.take_along_axis(x_BTD, unroll_BT[:, :, None], axis=1)
     k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
     cache = cache.replace(k=k, v=v, cursor=cache.cursor + T,
                           k_scale=None if cache.k_scale is None else k_scale,
@@ -125,7 +151,7 @@ def logits(params: Params, x_BTD):
 
 
 def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
-    x_BTD, cache = _hidden(params, tokens_BT, cache, axis)
+    x_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh=True)
     return logits(params, x_BTD), cache
 
 
@@ -138,21 +164,24 @@ def _forward(params: Params, tokens_BT):
     return _forward_local(params, tokens_BT, cache)[0]
 
 
-def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None):
-    x_BTD, cache = _hidden(params, tokens_BT, cache, axis)
+def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
+    x_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh)
     return logits(params, x_BTD[:, -1:])[:, 0], cache
 
 
-def step(params: Params, tokens_BT, cache: KVCache):
+def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False):
     """Pure step: write T tokens at the cursor, return (last-position logits [B, V], cache).
 
-    Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary. Sharded
-    params (`params.tp`) run it per device under shard_map; the logits come back split over V.
+    Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary, and with
+    `fresh` (static) that the cache is empty (cursor 0): a prompt's prefill, which then attends
+    among its own tokens without reading the cache. Sharded params (`params.tp`) run it per
+    device under shard_map; the logits come back split over V.
     """
     with jax.named_scope("prefill" if tokens_BT.shape[1] > 1 else "decode"):
         if params.tp is not None:
-            return sharding.shard_call(_step_local, params, tokens_BT, cache, logits_ndim=2)
-        return _step_local(params, tokens_BT, cache)
+            return sharding.shard_call(partial(_step_local, fresh=fresh), params, tokens_BT, cache,
+                                       logits_ndim=2)
+        return _step_local(params, tokens_BT, cache, fresh=fresh)
 
 
 def _donate_cache() -> tuple[int, ...]:
@@ -167,7 +196,7 @@ def jitted_step():
     """`step` under jit with the cache donated where the backend supports it."""
     backend = jax.default_backend()
     if backend not in _step_jit:
-        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache())
+        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache(), static_argnames=("fresh",))
     return _step_jit[backend]
 
 
@@ -194,13 +223,15 @@ def forward(params: Params, tokens_BT) -> jax.Array:
     return _forward(params, jnp.asarray(tokens))
 
 
-def _check_room(cache: KVCache, new: int, params: Params):
+def _check_room(cache: KVCache, new: int, params: Params) -> int:
+    """The cache's cursor, after checking that `new` more tokens fit."""
     if cache.k_scale is not None and params.tp is not None:
         raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
     cursor = int(cache.cursor)
     if cursor + new > cache.length:
         raise ValueError(f"cache full: writing {new} token(s) at slot {cursor} needs "
                          f"{cursor + new} slots, the cache has {cache.length}")
+    return cursor
 
 
 def prefill(params: Params, tokens_BT, cache: KVCache):
@@ -208,8 +239,8 @@ def prefill(params: Params, tokens_BT, cache: KVCache):
     tokens = check_tokens(params.config, tokens_BT)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != cache.batch:
         raise ValueError(f"prefill needs [B={cache.batch}, T>0] tokens, got shape {tokens.shape}")
-    _check_room(cache, tokens.shape[1], params)
-    return jitted_step()(params, jnp.asarray(tokens), cache)
+    fresh = _check_room(cache, tokens.shape[1], params) == 0
+    return jitted_step()(params, jnp.asarray(tokens), cache, fresh=fresh)
 
 
 def decode_step(params: Params, tokens_B, cache: KVCache):

@@ -239,7 +239,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
 
     @jax.jit
     def prefill_jit(params, tokens, start):
-        return step(params, tokens, init_cache(cfg, batch, cache_len, params.dtype, start, kv_dtype))
+        return step(params, tokens, init_cache(cfg, batch, cache_len, params.dtype, start, kv_dtype),
+                    fresh=True)
 
     def prefill():
         return prefill_jit(params, tokens, start)
