@@ -4,6 +4,7 @@ No parameters objects here: every function takes arrays and returns arrays, so t
 runs unsharded, inside `shard_map` (where N, K, F are per-device counts) and in tests.
 """
 
+import functools
 import os
 
 import jax
@@ -158,9 +159,9 @@ def mlp(x_BTD, w_gate_up_JFD, w_down_DF):
 # R = M*A (token, expert) assignments. Inside shard_map over an expert axis, E is the per-device
 # expert count while the router still scores all experts.
 
-# The path choice, made statically from shapes: "gather" while the step routes at most this many
-# assignments per expert (M*A <= GATHER_ROWS_PER_EXPERT * E), else "ragged".
-GATHER_ROWS_PER_EXPERT = 0.5
+# The path choice, made statically from shapes (`moe_path`): decode steps of up to this many
+# tokens may take the dense path.
+DENSE_MAX_TOKENS = 128
 
 
 def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool):
@@ -182,38 +183,99 @@ def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool):
     return experts_MA.astype(jnp.int32), weights_MA
 
 
-def moe_path(tokens: int, experts_per_token: int, num_experts: int) -> str:
-    """"gather" or "ragged" for a step of `tokens` tokens over `num_experts` (local) experts.
+def moe_path(tokens: int, experts_per_token: int, num_experts: int, decode: bool = False) -> str:
+    """"gather", "dense" or "ragged" for a step of `tokens` tokens over `num_experts` (local) experts.
 
-    Gather reads one expert's weights per assignment, M*A matrices with repeats, and needs no
-    sort: the decode path, where a batch-1 step reads A of E experts. Grouping reads each chosen
-    expert once but pays a sort, two row permutations and per-group tile padding in the grouped
-    matmul, so it wins once assignments outnumber the experts they could share: prefill, big batches.
-    Mixtral (E 8, A 2) gathers up to 2 tokens a step, Qwen3-30B-A3B (E 128, A 8) up to 8.
+    - gather: while the M*A assignments are at most E, each reads its own expert's weights, so a
+      step reads at most what one pass over all experts would, and only chosen experts: decode at
+      small batch (Mixtral, E 8 A 2, up to 4 tokens; Qwen3-30B-A3B, E 128 A 8, up to 16).
+    - dense: a decode step with more assignments than experts, up to DENSE_MAX_TOKENS tokens.
+      Every expert is read once and multiplies every token, its output weighted 0 unless chosen:
+      M FLOPs per weight byte keeps it bound by the same bytes grouping would read (which touches
+      most experts once M*A > E), without a sort, permutations or a grouped-GEMM launch. On an
+      H200 at the Mixtral shape, batch 8: 0.72 ms a layer against 2.25 ms for XLA's ragged_dot.
+    - ragged: prefill and big batches: assignments sorted by expert, one grouped matmul; never a
+      dense compute over all experts for every prompt token.
     """
-    if tokens * experts_per_token <= GATHER_ROWS_PER_EXPERT * num_experts:
+    if tokens * experts_per_token <= num_experts:
         return "gather"
+    if decode and tokens <= DENSE_MAX_TOKENS:
+        return "dense"
     return "ragged"
+
+
+def _gathered_project(x_MD, w_EOC, experts_MA):
+    """[M, A, O...]: token m times the weight of each of its experts, w [E, O..., C] (C minor).
+
+    A float32 multiply + reduction over C with the experts' rows gathered inside it: XLA fuses
+    the gather into the reduction (as `project` does for batch-1 rows), so each chosen matrix
+    streams from memory once; a gather feeding a dot first copied the matrices out, 3x the
+    traffic (Mixtral shape on an H200: 0.68 -> 0.22 ms a layer). int8 weights convert in the
+    same kernel and take their scales on the output.
+    """
+    scale = None
+    if isinstance(w_EOC, QuantizedWeight):
+        w_EOC, scale = w_EOC.q, w_EOC.scale
+    (M, A), outs, C = experts_MA.shape, w_EOC.shape[1:-1], w_EOC.shape[-1]
+    # R = A * outputs, flat: XLA's CPU YNNPACK fusion computed the same product written with
+    # separate A and output axes wrongly when the gather folds to a broadcast (one local expert).
+    w_MRC = w_EOC[experts_MA].reshape(M, -1, C)
+    y_MR = jnp.sum(x_MD.astype(jnp.float32)[:, None, :] * w_MRC.astype(jnp.float32), axis=-1)
+    y_MAO = y_MR.reshape(M, A, *outs)
+    if scale is not None:
+        y_MAO = y_MAO * scale[experts_MA]
+    return y_MAO.astype(x_MD.dtype)
 
 
 def _experts_gather(x_MD, experts_MA, gate_up_EJFD, down_EDF):
     """SwiGLU of each token through each of its experts, the experts' weights gathered: [M, A, D]."""
-    gate_up_MAJF = jnp.einsum("MD,MAJFD->MAJF", x_MD, gate_up_EJFD[experts_MA])
+    gate_up_MAJF = _gathered_project(x_MD, gate_up_EJFD, experts_MA)
     hidden_MAF = jax.nn.silu(gate_up_MAJF[:, :, 0]) * gate_up_MAJF[:, :, 1]
-    return jnp.einsum("MAF,MADF->MAD", hidden_MAF, down_EDF[experts_MA])
+    M, A, F = hidden_MAF.shape
+    out_RD = _gathered_project(hidden_MAF.reshape(M * A, F), down_EDF, experts_MA.reshape(M * A, 1))
+    return out_RD.reshape(M, A, -1)
+
+
+def _dense_matmul(x_MK, w_ENK):
+    """[M, E, N]: every row times every expert's w[e] (contraction K minor), float32."""
+    if not isinstance(w_ENK, QuantizedWeight):
+        return jnp.einsum("MK,ENK->MEN", x_MK, w_ENK, preferred_element_type=jnp.float32)
+    y_MEN = jnp.einsum("MK,ENK->MEN", x_MK, w_ENK.q.astype(x_MK.dtype),
+                       preferred_element_type=jnp.float32)
+    return y_MEN * w_ENK.scale
+
+
+def _experts_dense(x_MD, experts_MA, weights_MA, gate_up_EJFD, down_EDF):
+    """The weighted sum over each token's experts, [M, D] float32, computing all E experts per
+    token and weighting the unchosen ones 0 (ids past E, another device's, weigh 0 too)."""
+    M, A = experts_MA.shape
+    E, J, F, D = gate_up_EJFD.shape
+    w_ME = jnp.zeros((M, E + 1), jnp.float32).at[jnp.arange(M)[:, None], experts_MA].add(
+        weights_MA)[:, :E]
+    gate_up_MEJF = _dense_matmul(x_MD, gate_up_EJFD.reshape(E, J * F, D)).reshape(M, E, J, F)
+    hidden_MEF = (jax.nn.silu(gate_up_MEJF[:, :, 0]) * gate_up_MEJF[:, :, 1]).astype(x_MD.dtype)
+    out_MED = jnp.einsum("MEF,EDF->MED", hidden_MEF,
+                         down_EDF if not isinstance(down_EDF, QuantizedWeight)
+                         else down_EDF.q.astype(x_MD.dtype), preferred_element_type=jnp.float32)
+    if isinstance(down_EDF, QuantizedWeight):
+        out_MED = out_MED * down_EDF.scale
+    # Through the model dtype, as each expert's output is in the gather and ragged paths.
+    return jnp.einsum("MED,ME->MD", out_MED.astype(x_MD.dtype).astype(jnp.float32), w_ME)
 
 
 def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
     """[R, N]: rows of x in consecutive groups, group e times w[e] (contraction axis K minor).
 
-    The one place to swap in a grouped-GEMM kernel. On the CPU, jax lowers ragged_dot densely
-    (every group masked against every row), which only tests run. On NVIDIA GPUs, XLA's
-    RaggedDotRewriter also expands it into a dense dot over all E groups unless its cuDNN fusion
-    is enabled (--xla_gpu_experimental_use_ragged_dot_fusion, cuDNN >= 9.22); the Pallas Mosaic
-    GPU kernel jax.experimental.pallas.ops.gpu.ragged_dot_mgpu is the Hopper alternative.
+    On a Hopper GPU, bf16/f16 weights go through jax's Pallas Mosaic GPU grouped GEMM
+    (ragged_dot_mgpu): at the Mixtral shape's 2048-token prefill 4.5 ms a layer against 15.6 ms
+    for XLA's ragged_dot, which its GPU compiler expands over all E groups (the cuDNN fusion
+    behind --xla_gpu_experimental_use_ragged_dot_fusion changed nothing there). Elsewhere, and
+    for int8 weights, jax.lax.ragged_dot (on the CPU lowered densely, which only tests run).
     A `QuantizedWeight` w multiplies its int8 values (converted to x's dtype) and scales each row
     of the result by its group's per-output scales.
     """
+    if _mgpu_ok(x_RK, w_ENK):
+        return _mgpu_ragged_dot()(x_RK, w_ENK, group_sizes=group_sizes_E)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0])
@@ -226,6 +288,31 @@ def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
     group_R = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(x_RK.shape[0]), side="right")
     scale_RN = w_ENK.scale[jnp.minimum(group_R, w_ENK.shape[0] - 1)]
     return (y_RN * scale_RN).astype(x_RK.dtype)
+
+
+# Tiles of the Mosaic GPU grouped GEMM (measured at the Mixtral shape on an H200), and whether
+# it may be used at all (JAXLLM_GROUPED_GEMM=xla turns it off).
+MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+GROUPED_GEMM = os.environ.get("JAXLLM_GROUPED_GEMM", "auto")
+
+
+@functools.cache
+def _mgpu_ragged_dot():
+    """The Mosaic GPU grouped GEMM under one jit: the layers' calls of one shape share a single
+    lowering of the Pallas kernel. Lowered at each call site instead, the Mixtral shape's 64
+    sites took 80 s to compile (about 1 s each)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, **MGPU_TILES, transpose_rhs=True))
+
+
+def _mgpu_ok(x_RK, w_ENK) -> bool:
+    if GROUPED_GEMM != "auto" or isinstance(w_ENK, QuantizedWeight):
+        return False
+    device = jax.devices()[0]
+    E, N, K = w_ENK.shape
+    return (device.platform == "gpu" and str(getattr(device, "compute_capability", "")) .startswith("9")
+            and x_RK.dtype == w_ENK.dtype and x_RK.dtype in (jnp.bfloat16, jnp.float16)
+            and K % MGPU_TILES["block_k"] == 0 and N % MGPU_TILES["block_n"] == 0)
 
 
 def _experts_ragged(x_MD, experts_MA, gate_up_EJFD, down_EDF):
@@ -251,7 +338,7 @@ def moe(x_BTD, router_ED, experts_gate_up_EJFD, experts_down_EDF, experts_per_to
         norm_topk_prob: bool, *, path: str | None = None, expert_axis: str | None = None):
     """Sparse SwiGLU mixture of experts: each token through its top-A experts, weighted.
 
-    Only chosen experts are computed (see `moe_path`; `path` forces "gather" or "ragged"). The
+    The path follows `moe_path` (`path` forces "gather", "dense" or "ragged"). The
     A expert outputs are weighted and summed in float32 and cast back once (transformers adds
     them one by one in the model dtype). With `expert_axis`, this runs inside shard_map with the
     experts split over that mesh axis (E per device, the router [E_total, D] replicated): each
@@ -266,19 +353,23 @@ def moe(x_BTD, router_ED, experts_gate_up_EJFD, experts_down_EDF, experts_per_to
     if expert_axis is not None:
         experts_MA = experts_MA - jax.lax.axis_index(expert_axis) * E
         local_MA = (experts_MA >= 0) & (experts_MA < E)
-    path = path or moe_path(B * T, experts_per_token, E)
-    if path == "gather":
-        ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, 0)
-        out_MAD = _experts_gather(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
-    elif path == "ragged":
+    path = path or moe_path(B * T, experts_per_token, E, decode=T == 1)
+    if path == "dense":
         ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, E)
-        out_MAD = _experts_ragged(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
+        out_MD = _experts_dense(x_MD, ids_MA, weights_MA, experts_gate_up_EJFD, experts_down_EDF)
+    elif path in ("gather", "ragged"):
+        if path == "gather":
+            ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, 0)
+            out_MAD = _experts_gather(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
+        else:
+            ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, E)
+            out_MAD = _experts_ragged(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
+        out_MAD = out_MAD.astype(jnp.float32)
+        if local_MA is not None:  # other devices' assignments: select, not multiply (garbage may be inf)
+            out_MAD = jnp.where(local_MA[:, :, None], out_MAD, 0.0)
+        out_MD = jnp.einsum("MAD,MA->MD", out_MAD, weights_MA)
     else:
-        raise ValueError(f"unknown MoE path {path!r}: 'gather' or 'ragged'")
-    out_MAD = out_MAD.astype(jnp.float32)
-    if local_MA is not None:  # other devices' assignments: select, not multiply (garbage may be inf)
-        out_MAD = jnp.where(local_MA[:, :, None], out_MAD, 0.0)
-    out_MD = jnp.einsum("MAD,MA->MD", out_MAD, weights_MA)
+        raise ValueError(f"unknown MoE path {path!r}: 'gather', 'dense' or 'ragged'")
     if expert_axis is not None:
         out_MD = jax.lax.psum(out_MD, expert_axis)
     return out_MD.astype(x_BTD.dtype).reshape(B, T, D)

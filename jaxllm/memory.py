@@ -54,8 +54,11 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dty
         if cfg.is_moe(i):
             E, A, F = cfg.num_experts, cfg.experts_per_token, -(-cfg.moe_ffn_size // ffn_split)
             routed = M * A * (D + 3 * F + D) * F32 + M * E * F32
-            if moe_path(M, A, E) == "gather":  # the chosen experts' weights, gathered per token
+            path = moe_path(M, A, E, decode=T == 1)
+            if path == "gather":  # at most the chosen experts' weights, if the gather is not fused
                 routed += M * A * 3 * F * D * a
+            elif path == "dense":  # every expert's float32 output for every token
+                routed += M * E * (2 * F + D) * F32
             ffn = max(ffn, routed)
         else:
             F = -(-cfg.ffn_size // ffn_split)

@@ -197,7 +197,7 @@ def test_router_matches_transformers(moe_model, name):
 def _all_paths(x, router, gate_up, down, experts_per_token, norm_topk_prob):
     """{path: moe output} for the automatic choice and each forced path, in one compilation."""
     return {str(path): L.moe(x, router, gate_up, down, experts_per_token, norm_topk_prob, path=path)
-            for path in (None, "gather", "ragged")}
+            for path in (None, "gather", "dense", "ragged")}
 
 
 def _numpy_moe(x_BTD, router_ED, gate_up_EJFD, down_EDF, k, norm):
@@ -241,18 +241,24 @@ def test_gather_and_ragged_paths_agree(E, A, norm):
         x = np.random.default_rng(b * 100 + t).normal(size=(b, t, 32)).astype(np.float32)
         out = _all_paths(x, *weights, A, norm)
         want = _numpy_moe(x, *weights, A, norm)
-        assert rel_err(out["gather"], want) < 1e-5 and rel_err(out["ragged"], want) < 1e-5, (b, t)
-        np.testing.assert_array_equal(out["None"], out[L.moe_path(b * t, A, E)])
+        for path in ("gather", "dense", "ragged"):
+            assert rel_err(out[path], want) < 1e-5, (b, t, path)
+        np.testing.assert_array_equal(out["None"], out[L.moe_path(b * t, A, E, decode=t == 1)])
     with pytest.raises(ValueError, match="unknown MoE path"):
-        L.moe(jnp.asarray(x), *weights, A, norm, path="dense")
+        L.moe(jnp.asarray(x), *weights, A, norm, path="sparse")
 
 
 def test_path_choice_on_real_shapes():
-    # Mixtral-8x7B (E 8, A 2) and Qwen3-30B-A3B (E 128, A 8): decode at batch 1 gathers, prefill groups.
-    assert L.moe_path(1, 2, 8) == "gather" and L.moe_path(2, 2, 8) == "gather"
+    # Mixtral-8x7B (E 8, A 2) and Qwen3-30B-A3B (E 128, A 8): decode at small batch gathers the
+    # chosen experts, decode at larger batch reads every expert once, prefill always groups.
+    assert L.moe_path(1, 2, 8, decode=True) == "gather" and L.moe_path(4, 2, 8) == "gather"
+    assert L.moe_path(8, 2, 8, decode=True) == "dense" and L.moe_path(64, 2, 8, decode=True) == "dense"
     assert L.moe_path(8, 2, 8) == "ragged" and L.moe_path(2048, 2, 8) == "ragged"
-    assert L.moe_path(8, 8, 128) == "gather" and L.moe_path(64, 8, 128) == "ragged"
+    assert L.moe_path(256, 2, 8, decode=True) == "ragged"
+    assert L.moe_path(16, 8, 128, decode=True) == "gather" and L.moe_path(64, 8, 128) == "ragged"
+    assert L.moe_path(64, 8, 128, decode=True) == "dense"
     assert L.moe_path(1, 2, 1) == "ragged"  # one local expert (expert parallel over 8): grouping
+    assert L.moe_path(1, 2, 1, decode=True) == "dense"
 
 
 def test_gather_path_work_does_not_grow_with_experts():
