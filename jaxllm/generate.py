@@ -8,7 +8,6 @@ call: no host round trip per token, and prompts within one bucket reuse one comp
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Iterator, NamedTuple, Sequence
 
@@ -25,9 +24,6 @@ from jaxllm.trace import check_recompile, compile_count, shape_text
 
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile
-# Decode steps per iteration of generate's while loop (JAXLLM_DECODE_UNROLL, for benchmarking):
-# each iteration ends in a device-to-host read of the loop condition.
-DECODE_UNROLL = int(os.environ.get("JAXLLM_DECODE_UNROLL", "1"))
 
 
 class GenerateOutput(NamedTuple):
@@ -108,8 +104,7 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
     seen = _seen_from_prompt(tokens_BT, start_B, cfg.vocab_size) if use_penalty else jnp.zeros((B, 1), bool)
     logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
     token_B = _choose(logits_BV, seen, key, 0, values, flags)
-    # Room for the steps an unrolled last iteration runs past max_new (their tokens are pad).
-    out_BN = jnp.full((B, steps + DECODE_UNROLL - 1), pad, jnp.int32).at[:, 0].set(token_B)
+    out_BN = jnp.full((B, steps), pad, jnp.int32).at[:, 0].set(token_B)
     done_B = jnp.isin(token_B, stop_ids)
     lengths_B = jnp.ones((B,), jnp.int32)
     if use_penalty:
@@ -119,9 +114,8 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
         i, _, _, _, done_B, _, _ = carry
         return (i < max_new) & ~jnp.all(done_B)
 
-    def one_step(carry):
+    def body(carry):
         i, token_B, cache, out_BN, done_B, lengths_B, seen = carry
-        done_B = done_B | (i >= max_new)  # an unrolled iteration's steps past the end make pad
         logits_BV, cache = step(params, token_B[:, None], cache)
         new_B = jnp.where(done_B, pad, _choose(logits_BV, seen, key, i, values, flags))
         out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (jnp.int32(0), i))
@@ -131,14 +125,9 @@ def _generate_core(params: Params, tokens_BT, start_B, key, max_new, stop_ids, v
         done_B = done_B | jnp.isin(new_B, stop_ids)
         return i + 1, new_B, cache, out_BN, done_B, lengths_B, seen
 
-    def body(carry):
-        for _ in range(DECODE_UNROLL):
-            carry = one_step(carry)
-        return carry
-
     carry = (jnp.int32(1), token_B, cache, out_BN, done_B, lengths_B, seen)
     _, _, _, out_BN, _, lengths_B, _ = jax.lax.while_loop(cond, body, carry)
-    return out_BN[:, :steps], lengths_B
+    return out_BN, lengths_B
 
 
 def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None):
