@@ -109,13 +109,14 @@ def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=N
 ATTENTION = os.environ.get("JAXLLM_ATTENTION", "auto")
 
 
-def _cudnn_ok(q_BTNH) -> bool:
+def uses_cudnn_attention(dtype, head_dim: int) -> bool:
+    """Whether `causal_attention` takes cuDNN's fused kernel (never forming [T, T] scores)."""
     if ATTENTION != "auto":
         return ATTENTION == "cudnn"
     device = jax.devices()[0]
     major = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
-    return (device.platform == "gpu" and major >= 8 and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
-            and q_BTNH.shape[-1] % 8 == 0 and q_BTNH.shape[-1] <= 128)
+    return (device.platform == "gpu" and major >= 8 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def causal_attention(q_BTNH, k_BTKH, v_BTKH, window: int | None = None):
@@ -126,7 +127,7 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, window: int | None = None):
     On a GPU this is cuDNN's flash attention, which never forms the [T, T] scores (the 8B
     shape's 2048-token prefill spent more time in masked XLA attention than in its matmuls).
     """
-    if _cudnn_ok(q_BTNH):
+    if uses_cudnn_attention(q_BTNH.dtype, q_BTNH.shape[-1]):
         return jax.nn.dot_product_attention(
             q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn",
             local_window_size=None if window is None else (window - 1, 0))

@@ -18,10 +18,16 @@ import jax.numpy as jnp
 
 from jaxllm.cache import cache_bytes
 from jaxllm.config import ModelConfig
-from jaxllm.layers import moe_path
+from jaxllm.layers import moe_path, uses_cudnn_attention
 from jaxllm.params import Params, param_bytes
 
 F32 = 4
+# XLA's buffer assignment keeps more than one layer's intermediates live. Measured on an H200 at
+# the 8B shape (bf16, cuDNN attention): a prefill of 8 x 8192 tokens held 50.0 GB beside the
+# weights and the bf16 cache (46.6 GB with an int8 cache), 2.2x the one-layer count of
+# `activation_bytes` (22.3 GB); 16 x 8192 asked for 80-84 GB of temporaries against a count of
+# 44.6 GB and failed. The check multiplies the count by this.
+LIVE_FACTOR = 2.5
 
 
 def memory_stats(device) -> dict | None:
@@ -30,16 +36,19 @@ def memory_stats(device) -> dict | None:
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dtype,
-                     heads_split: int = 1, ffn_split: int = 1, vocab_split: int = 1) -> int:
+                     heads_split: int = 1, ffn_split: int = 1, vocab_split: int = 1,
+                     fresh: bool = False, flash: bool = False) -> int:
     """A bound on what one step of `tokens` new tokens per row over `length` cache slots holds
     besides the weights and the cache, on one device (N, K split `heads_split` ways, F `ffn_split`,
     V `vocab_split`).
 
-    XLA frees a layer's intermediates before the next layer's, so the bound is one layer at its
-    largest, every intermediate counted as live at once, plus the float32 logits of the last
-    position and sampling's sorted copies of them. At long prompts the attention scores dominate:
-    B * N * T * S float32 (and their probabilities in the model dtype), because `layers.attention`
-    scores every slot of the cache; a fused (flash) attention kernel would remove that term.
+    One layer at its largest, every intermediate counted as live at once, times LIVE_FACTOR for
+    what XLA keeps beyond one layer (measured), plus the float32 logits of the last position and
+    sampling's sorted copies of them. At long prompts the attention scores can
+    dominate: B * N * T * S float32 (and their probabilities in the model dtype) when
+    `layers.attention` scores every slot of the cache; B * N * T * T for a `fresh` prefill (a
+    prompt into an empty cache attends only among itself), and none when `flash` (cuDNN's fused
+    attention, which never forms them).
     """
     a = jnp.dtype(dtype).itemsize
     B, T, S, M = batch, tokens, length, batch * tokens
@@ -48,7 +57,11 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dty
     V = -(-cfg.vocab_size // vocab_split)
     stream = M * D * (2 * F32 + 2 * a)  # residual, float32 norm statistics, normed input, output
     qkv = M * (N + 2 * K) * H * (F32 + 3 * a)  # float32 result, cast, rotated q and k, cache write
-    attention = B * N * T * S * (F32 + a) + B * T * S + M * N * H * (F32 + a)
+    if fresh:  # a prompt into an empty cache attends among its own T tokens (rotated k, v copies)
+        scores = 0 if flash else B * N * T * T * (F32 + a) + B * T * T
+        attention = scores + M * N * H * (F32 + a) + 2 * M * K * H * a
+    else:
+        attention = B * N * T * S * (F32 + a) + B * T * S + M * N * H * (F32 + a)
     ffn = 0
     for i in range(cfg.num_layers):
         if cfg.is_moe(i):
@@ -64,7 +77,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dty
             F = -(-cfg.ffn_size // ffn_split)
             ffn = max(ffn, M * (2 * F * (F32 + a) + F * a))
     logits = 4 * B * V * F32  # logits, probabilities, sorted values and their indices
-    return stream + qkv + attention + ffn + logits
+    return int(LIVE_FACTOR * (stream + qkv + attention + ffn)) + logits
 
 
 def _resident_bytes(params: Params, device) -> int:
@@ -88,8 +101,8 @@ def _largest(fits, hi: int) -> int:
 
 
 def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> None:
-    """ValueError unless a cache of `length` slots for `batch` rows and a step of `tokens` new
-    tokens per row fit in the free memory of every device the params live on."""
+    """ValueError unless a cache of `length` slots for `batch` rows and a prefill of `tokens`
+    prompt tokens per row into it (empty) fit in the free memory of every device the params live on."""
     cfg, tp = params.config, params.tp
     # This process's devices only: a multi-host mesh's others have no statistics here.
     devices = [d for d in tp.mesh.devices.flat if d.process_index == jax.process_index()] \
@@ -100,10 +113,12 @@ def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=Non
     data = tp.mesh.shape[tp.batch_axis] if tp is not None and tp.batch_axis else 1
     rows = batch // data  # per device
     dtype = params.dtype
+    flash = uses_cudnn_attention(dtype, cfg.head_dim)
 
     def need(b: int, s: int) -> tuple[int, int]:
         kv = cache_bytes(cfg, b, s, dtype, kv_dtype) // heads
-        return kv, activation_bytes(cfg, b, min(tokens, s), s, dtype, **split)
+        return kv, activation_bytes(cfg, b, min(tokens, s), s, dtype, **split, fresh=True,
+                                    flash=flash)
 
     for device in devices:
         stats = memory_stats(device)
@@ -116,12 +131,13 @@ def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=Non
         max_rows = _largest(lambda b: sum(need(b, length)) <= free, rows)
         max_length = _largest(lambda s: sum(need(rows, s)) <= free, length)
         limit, weights = int(stats["bytes_limit"]), _resident_bytes(params, device)
+        longest = (f"{max_length} cache slots (prompt + new tokens) at batch {batch}"
+                   if max_length >= tokens else f"no cache that holds the prompt at batch {batch}")
         raise ValueError(
             f"out of device memory: {batch} row(s) x {length} cache slots need {size_text(kv + act)} "
             f"on {device} (KV cache {size_text(kv)} + at most {size_text(act)} of activations), but "
             f"only {size_text(free)} of its {size_text(limit)} are free beside {size_text(weights)} of "
-            f"weights; what fits: batch {max_rows * data} at this length, or {max_length} cache slots "
-            f"(prompt + new tokens) at batch {batch}")
+            f"weights; what fits: batch {max_rows * data} at this length, or {longest}")
 
 
 def size_text(n: int) -> str:

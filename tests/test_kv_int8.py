@@ -63,7 +63,7 @@ def test_int8_cache_bytes_and_the_memory_check(monkeypatch, tiny):
     assert cache_bytes(cfg, 2, 64, jnp.float32, "int8") * 4 * H == cache_bytes(cfg, 2, 64, jnp.float32) * (H + 4)
     # Free memory that holds the int8 cache but not the float32 one: only the float request fails.
     B, T, S = 4, 16, 16 + 16
-    act = memory.activation_bytes(cfg, B, T, S, jnp.float32)
+    act = memory.activation_bytes(cfg, B, T, S, jnp.float32, fresh=True)
     free = act + (cache_bytes(cfg, B, S, jnp.float32, "int8") + cache_bytes(cfg, B, S, jnp.float32)) // 2
     monkeypatch.setattr(memory, "memory_stats", lambda device: {"bytes_limit": 10 ** 12,
                                                                 "bytes_in_use": 10 ** 12 - free})

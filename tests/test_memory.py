@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +32,15 @@ def fake_free(monkeypatch, free: int, limit: int = 10 ** 12):
 
 def test_a_request_over_free_memory_fails_before_anything_runs(monkeypatch, params):
     cfg = params.config
-    B, T, length = 8, 16, 16 + 64  # prompts of 16 tokens, 48 new ones: 64 decode slots
+    B, T, length = 8, 16, 16 + 512  # prompts of 16 tokens, 500 new ones: 512 decode slots
     kv = cache_bytes(cfg, B, length, jnp.float32)
-    act = memory.activation_bytes(cfg, B, T, length, jnp.float32)
+    act = memory.activation_bytes(cfg, B, T, length, jnp.float32, fresh=True)
     free = (kv + act) * 3 // 4
     fake_free(monkeypatch, free)
     monkeypatch.setattr(gen, "_generate_core", lambda *a, **k: pytest.fail("generate ran"))
     ids = np.full((B, T), 5, np.int32)
     with pytest.raises(ValueError, match="out of device memory") as e:
-        jaxllm.generate(params, ids, max_new_tokens=48)
+        jaxllm.generate(params, ids, max_new_tokens=500)
     msg = str(e.value)
     for figure in (kv + act, kv, act, free, param_bytes(params)):
         assert memory.size_text(figure) in msg, (memory.size_text(figure), msg)
@@ -82,10 +83,27 @@ def test_llama3_8b_context_that_cannot_fit_names_what_can():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(memory, "memory_stats", lambda device: stats)
         assert offer(8, 16, 131072) == 7  # 17.2 GB of cache per row in the 124.9 GB left
-        # A 1024-token prefill scores every slot of the cache: 26 GB of float32 scores and their
-        # bf16 probabilities per row, so only 2 rows fit.
-        assert offer(8, 1024, 131072) == 2
-        memory.check_fit(params, 1, 1024, 131072)
+        # A prefill into the empty cache scores only the prompt against itself: a 1024-token one
+        # costs a row's worth of its activations, 6 rows. A 32768-token prompt, where the masked
+        # XLA form's float32 scores and bf16 probabilities are 206 GB a row, fits only with the
+        # fused (cuDNN) attention, which never forms them; then the MLP's [T, 2F] float32
+        # intermediates, as XLA keeps them, leave room for 2 rows.
+        assert offer(8, 1024, 131072) == 6
+        mp.setattr(memory, "uses_cudnn_attention", lambda dtype, head_dim: False)
+        assert offer(8, 32768, 131072) == 0
+        mp.setattr(memory, "uses_cudnn_attention", lambda dtype, head_dim: True)
+        assert offer(8, 32768, 131072) == 2
+        memory.check_fit(params, 1, 32768, 131072)
+
+
+def test_activation_bound_covers_what_the_h200_held():
+    """The 8B shape's long prefills on an H200 (bf16, cuDNN attention, device run of 2026-11-29):
+    8 x 8192 tokens held 50.0 GB beside weights and cache; 16 x 8192 asked XLA for 83.8 GB of
+    temporaries and ran out of memory although the one-layer count said 44.6 GB."""
+    cfg = presets.PRESETS["llama3-8b"]
+    act = partial(memory.activation_bytes, cfg, tokens=8192, length=8448, dtype=jnp.bfloat16,
+                  fresh=True, flash=True)
+    assert act(batch=8) >= 50.0e9 and act(batch=16) >= 83.8e9
 
 
 def test_without_statistics_nothing_is_checked(monkeypatch, params):
