@@ -292,7 +292,7 @@ def test_roofline_int8_halves_the_bytes():
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
 def test_roofline_moe_reads_the_experts_it_routes_to(name):
     cfg = presets.PRESETS[name]
-    E, A, F, D = cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_size, cfg.hidden_size
+    A, F, D = cfg.experts_per_token, cfg.moe_ffn_size, cfg.hidden_size
     expert_bytes = 3 * D * F * 2
     one = {o["op"]: o for o in roofline.analyze(cfg, 1, 256)["ops"]}
     assert "gate_up" not in one and "down" not in one

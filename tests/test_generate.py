@@ -44,6 +44,22 @@ def test_ragged_prefill_and_decode_logits_match_each_row_alone(tiny):
         assert rel_err(got_BTV[b], ref) < 1e-4, f"row {b}"
 
 
+def test_a_second_prefill_reads_what_the_first_wrote(tiny):
+    """A prompt into an empty cache attends among its own tokens (rotated rows, no cache read); a
+    later block of tokens reads that cache through the masks: their logits are transformers'."""
+    m = tiny("mistral")  # a 4-token window across the two blocks
+    rows = [random_tokens(n, seed=20 + n) for n in (2, 7, 13)]
+    more = random_tokens((3, 5), seed=8)
+    tokens, start, _ = pad_prompts(m.params, [r.tolist() for r in rows])
+    cache = jaxllm.init_cache(m.params.config, 3, tokens.shape[1] + 8, m.params.dtype, start=start)
+    first, cache = jaxllm.prefill(m.params, tokens, cache)
+    second, cache = jaxllm.prefill(m.params, more, cache)
+    for b, row in enumerate(rows):
+        ref = m.hf_logits(np.concatenate([row, more[b]])[None])[0]
+        assert rel_err(first[b], ref[len(row) - 1]) < 1e-4, f"row {b}"
+        assert rel_err(second[b], ref[-1]) < 1e-4, f"row {b}"
+
+
 def _first_new(row, k_min=2):
     """(index, token) of the first token at index >= k_min that did not occur earlier in row."""
     for k in range(k_min, len(row)):
