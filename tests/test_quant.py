@@ -20,6 +20,7 @@ from jaxllm.config import ModelConfig, RopeConfig
 from jaxllm.params import init_params, param_bytes
 from jaxllm.perplexity import perplexity, windows
 from jaxllm.quant import QuantizedWeight, dequantize, quantize, quantize_params
+from tiny_models import rel_err
 
 TEXT = inspect.getsourcefile(json.decoder)  # on every machine with Python; nothing copied here
 
@@ -192,3 +193,17 @@ def test_cli_perplexity_prints_json(capsys):
     assert result["quant"] == "int8" and result["tokens"] == 93
     assert result["ppl"] == pytest.approx(np.exp(result["nll"])) and result["ppl"] > 1
     assert cli.main(["perplexity", "/no/such/file.txt"]) == 2
+
+
+@pytest.mark.parametrize("path", ["gather", "dense", "ragged"])
+def test_every_moe_path_on_int8_experts_equals_the_dequantized_experts(path):
+    """Each MoE path contracts int8 expert values and applies the per-output scales itself."""
+    E, D, F, A = 6, 32, 24, 2
+    keys = jax.random.split(jax.random.key(3), 4)
+    router = jax.random.normal(keys[0], (E, D))
+    gate_up = quantize(jax.random.normal(keys[1], (E, 2, F, D)) / 6, 1)
+    down = quantize(jax.random.normal(keys[2], (E, D, F)) / 5, 1)
+    x = jax.random.normal(keys[3], (2, 3, D))
+    got = layers.moe(x, router, gate_up, down, A, True, path=path)
+    want = layers.moe(x, router, dequantize(gate_up), dequantize(down), A, True, path=path)
+    assert rel_err(got, want) < 1e-5
