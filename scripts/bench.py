@@ -15,7 +15,7 @@ mean context of the decode steps (prompt + new/2), the prefill ones for the real
 roofline table and the measured step against it.
 
 JSON keys (times in the unit their name says; null when not available on this device):
-  preset, model, device, platform, jax_version, jaxlib_version, git, tp, env, compile_cache,
+  preset, model, device, platform, jax_version, jaxlib_version, git, source, tp, env, compile_cache,
   dtype, quant, kv_dtype, batch, prompt_len, padded_prompt_len, new_tokens, cache_len, repeat,
   param_count, param_bytes, kv_cache_bytes,
   first_call_s, compile_s, generate_s, generate_s_all,
@@ -27,6 +27,7 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   peak_bytes_in_use, bytes_in_use, bytes_limit, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
+source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
 """
 
 from __future__ import annotations
@@ -191,6 +192,17 @@ def _git_version() -> str | None:
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _source_hash() -> str:
+    """sha256 (12 hex digits) of the package's and this script's sources: names the code that ran
+    even where git metadata is stale or absent (a copied working tree)."""
+    import hashlib
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((root / "jaxllm").glob("*.py")) + [Path(__file__).resolve()]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _memory() -> dict:
@@ -396,7 +408,7 @@ def main(argv=None) -> int:
             f"{jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f} s")
     label = dict(preset=args.preset, model=args.model, device=jax.devices()[0].device_kind,
                  platform=jax.default_backend(), jax_version=jax.__version__,
-                 jaxlib_version=jaxlib.__version__, git=_git_version(), tp=args.tp,
+                 jaxlib_version=jaxlib.__version__, git=_git_version(), source=_source_hash(), tp=args.tp,
                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAXLLM_", "XLA_FLAGS"))},
                  compile_cache=jax.config.jax_compilation_cache_dir)
 

@@ -53,6 +53,7 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
         assert set(r) == documented, set(r) ^ documented
         assert r["error"] is None
         assert r["preset"] == "tiny" and r["platform"] == "cpu" and r["jax_version"] == jax.__version__
+        assert re.fullmatch(r"[0-9a-f]{12}", r["source"]), r["source"]
         assert (r["prompt_len"], r["new_tokens"], r["dtype"]) == (8, 16, "bfloat16")
         assert r["cache_len"] >= r["padded_prompt_len"] + r["new_tokens"]
         assert r["param_bytes"] == param_bytes(abstract_params(cfg)) == 2 * r["param_count"]
