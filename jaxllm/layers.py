@@ -269,8 +269,8 @@ def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
 
     On a Hopper GPU, bf16/f16 weights go through jax's Pallas Mosaic GPU grouped GEMM
     (ragged_dot_mgpu): at the Mixtral shape's 2048-token prefill 4.5 ms a layer against 15.6 ms
-    for XLA's ragged_dot, which its GPU compiler expands over all E groups (the cuDNN fusion
-    behind --xla_gpu_experimental_use_ragged_dot_fusion changed nothing there). Elsewhere, and
+    for XLA's ragged_dot, which XLA's GPU compiler (per its source) expands over all E groups;
+    --xla_gpu_experimental_use_ragged_dot_fusion changed nothing there. Elsewhere, and
     for int8 weights, jax.lax.ragged_dot (on the CPU lowered densely, which only tests run).
     A `QuantizedWeight` w multiplies its int8 values (converted to x's dtype) and scales each row
     of the result by its group's per-output scales.
@@ -291,8 +291,8 @@ def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
     return (y_RN * scale_RN).astype(x_RK.dtype)
 
 
-# Tiles of the Mosaic GPU grouped GEMM (measured at the Mixtral shape on an H200), and whether
-# it may be used at all (JAXLLM_GROUPED_GEMM=xla turns it off).
+# Tiles of the Mosaic GPU grouped GEMM (the one configuration measured, at the Mixtral shape on
+# an H200: not tuned), and whether it may be used at all (JAXLLM_GROUPED_GEMM=xla turns it off).
 MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 GROUPED_GEMM = os.environ.get("JAXLLM_GROUPED_GEMM", "auto")
 
