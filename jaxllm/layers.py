@@ -109,13 +109,19 @@ def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=N
 ATTENTION = os.environ.get("JAXLLM_ATTENTION", "auto")
 
 
+def _gpu_generation() -> int:
+    """The default device's compute capability major (8 Ampere, 9 Hopper), 0 if not a GPU."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return 0
+    return int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
+
+
 def uses_cudnn_attention(dtype, head_dim: int) -> bool:
     """Whether `causal_attention` takes cuDNN's fused kernel (never forming [T, T] scores)."""
     if ATTENTION != "auto":
         return ATTENTION == "cudnn"
-    device = jax.devices()[0]
-    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
-    return (device.platform == "gpu" and major >= 8 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    return (_gpu_generation() >= 8 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and head_dim % 8 == 0 and head_dim <= 128)
 
 
@@ -237,12 +243,12 @@ def _experts_gather(x_MD, experts_MA, gate_up_EJFD, down_EDF):
     return out_RD.reshape(M, A, -1)
 
 
-def _dense_matmul(x_MK, w_ENK):
-    """[M, E, N]: every row times every expert's w[e] (contraction K minor), float32."""
+def _experts_matmul(spec: str, x, w_ENK):
+    """einsum(spec, x, w) -> [M, E, N] float32, w [E, N, K] (contraction K minor) float or int8;
+    an int8 w contracts its values (exact in x's dtype) and scales the output per (e, n)."""
     if not isinstance(w_ENK, QuantizedWeight):
-        return jnp.einsum("MK,ENK->MEN", x_MK, w_ENK, preferred_element_type=jnp.float32)
-    y_MEN = jnp.einsum("MK,ENK->MEN", x_MK, w_ENK.q.astype(x_MK.dtype),
-                       preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, x, w_ENK, preferred_element_type=jnp.float32)
+    y_MEN = jnp.einsum(spec, x, w_ENK.q.astype(x.dtype), preferred_element_type=jnp.float32)
     return y_MEN * w_ENK.scale
 
 
@@ -253,13 +259,10 @@ def _experts_dense(x_MD, experts_MA, weights_MA, gate_up_EJFD, down_EDF):
     E, J, F, D = gate_up_EJFD.shape
     w_ME = jnp.zeros((M, E + 1), jnp.float32).at[jnp.arange(M)[:, None], experts_MA].add(
         weights_MA)[:, :E]
-    gate_up_MEJF = _dense_matmul(x_MD, gate_up_EJFD.reshape(E, J * F, D)).reshape(M, E, J, F)
+    gate_up_MEJF = _experts_matmul("MK,ENK->MEN", x_MD,
+                                   gate_up_EJFD.reshape(E, J * F, D)).reshape(M, E, J, F)
     hidden_MEF = (jax.nn.silu(gate_up_MEJF[:, :, 0]) * gate_up_MEJF[:, :, 1]).astype(x_MD.dtype)
-    out_MED = jnp.einsum("MEF,EDF->MED", hidden_MEF,
-                         down_EDF if not isinstance(down_EDF, QuantizedWeight)
-                         else down_EDF.q.astype(x_MD.dtype), preferred_element_type=jnp.float32)
-    if isinstance(down_EDF, QuantizedWeight):
-        out_MED = out_MED * down_EDF.scale
+    out_MED = _experts_matmul("MEK,ENK->MEN", hidden_MEF, down_EDF)
     # Through the model dtype, as each expert's output is in the gather and ragged paths.
     return jnp.einsum("MED,ME->MD", out_MED.astype(x_MD.dtype).astype(jnp.float32), w_ME)
 
@@ -309,10 +312,9 @@ def _mgpu_ragged_dot():
 def _mgpu_ok(x_RK, w_ENK) -> bool:
     if GROUPED_GEMM != "auto" or isinstance(w_ENK, QuantizedWeight):
         return False
-    device = jax.devices()[0]
     E, N, K = w_ENK.shape
-    return (device.platform == "gpu" and str(getattr(device, "compute_capability", "")) .startswith("9")
-            and x_RK.dtype == w_ENK.dtype and x_RK.dtype in (jnp.bfloat16, jnp.float16)
+    return (_gpu_generation() == 9 and x_RK.dtype == w_ENK.dtype
+            and x_RK.dtype in (jnp.bfloat16, jnp.float16)
             and K % MGPU_TILES["block_k"] == 0 and N % MGPU_TILES["block_n"] == 0)
 
 
@@ -355,22 +357,18 @@ def moe(x_BTD, router_ED, experts_gate_up_EJFD, experts_down_EDF, experts_per_to
         experts_MA = experts_MA - jax.lax.axis_index(expert_axis) * E
         local_MA = (experts_MA >= 0) & (experts_MA < E)
     path = path or moe_path(B * T, experts_per_token, E, decode=T == 1)
+    if path not in ("gather", "dense", "ragged"):
+        raise ValueError(f"unknown MoE path {path!r}: 'gather', 'dense' or 'ragged'")
+    if local_MA is not None:  # other devices' assignments: any valid id to gather, else one past E
+        experts_MA = jnp.where(local_MA, experts_MA, 0 if path == "gather" else E)
     if path == "dense":
-        ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, E)
-        out_MD = _experts_dense(x_MD, ids_MA, weights_MA, experts_gate_up_EJFD, experts_down_EDF)
-    elif path in ("gather", "ragged"):
-        if path == "gather":
-            ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, 0)
-            out_MAD = _experts_gather(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
-        else:
-            ids_MA = experts_MA if local_MA is None else jnp.where(local_MA, experts_MA, E)
-            out_MAD = _experts_ragged(x_MD, ids_MA, experts_gate_up_EJFD, experts_down_EDF)
-        out_MAD = out_MAD.astype(jnp.float32)
+        out_MD = _experts_dense(x_MD, experts_MA, weights_MA, experts_gate_up_EJFD, experts_down_EDF)
+    else:
+        experts = _experts_gather if path == "gather" else _experts_ragged
+        out_MAD = experts(x_MD, experts_MA, experts_gate_up_EJFD, experts_down_EDF).astype(jnp.float32)
         if local_MA is not None:  # other devices' assignments: select, not multiply (garbage may be inf)
             out_MAD = jnp.where(local_MA[:, :, None], out_MAD, 0.0)
         out_MD = jnp.einsum("MAD,MA->MD", out_MAD, weights_MA)
-    else:
-        raise ValueError(f"unknown MoE path {path!r}: 'gather', 'dense' or 'ragged'")
     if expert_axis is not None:
         out_MD = jax.lax.psum(out_MD, expert_axis)
     return out_MD.astype(x_BTD.dtype).reshape(B, T, D)
