@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm import sharding
 from jaxllm.cache import KVCache, init_cache
@@ -20,12 +21,14 @@ from jaxllm.params import Layer, Params
 
 
 def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cursor,
-                     mask_BTS, inv_freq, rope_scale, axis=None, window=None, unroll_BT=None):
+                     mask_BTS, inv_freq, rope_scale, axis=None, window=None, unroll_BT=None,
+                     fused=None):
     """Self-attention of T new tokens over the cache; returns (out_BTD, kv).
 
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
+    `fused` marks a decode step taking the Pallas kernel: (start_B, cos_BR, sin_BR, interpret).
 
     With `axis` (inside shard_map), K is the device's KV heads and the output is psummed over it.
     """
@@ -34,6 +37,13 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cu
     if layer.bqkv is not None:
         qkv_BTKJH = qkv_BTKJH + layer.bqkv
     B, T, K, _, H = qkv_BTKJH.shape
+    if fused is not None:  # rotation, cache writes and attention in one kernel
+        start_B, cos_BR, sin_BR, interpret = fused
+        out_BKGH, k_cache, v_cache = kernels.decode_attention(
+            qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, cos_BR, sin_BR, window=window,
+            q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret)
+        return _attention_out(cfg, layer, out_BKGH.reshape(B, T, K * G * H), axis), \
+            (k_cache, v_cache, None, None)
     q_BTNH = qkv_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = qkv_BTKJH[:, :, :, G], qkv_BTKJH[:, :, :, G + 1]
     if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
@@ -51,13 +61,19 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cu
     if unroll_BT is None:
         out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS, k_scale,
                                 v_scale)
+    return _attention_out(cfg, layer, out_BTKGH.reshape(B, T, K * G * H), axis), \
+        (k_cache, v_cache, k_scale, v_scale)
+
+
+def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
+    """The output projection of the heads [B, T, K*G*H], psummed over `axis` if heads are split."""
     # One flat contraction over (K, G, H): given as three axes, XLA transposed all of wo per step.
-    out_BTD = L.project(out_BTKGH.reshape(B, T, K * G * H), layer.wo.reshape(layer.wo.shape[0], -1))
+    out_BTD = L.project(heads_BTC, layer.wo.reshape(layer.wo.shape[0], -1))
     if axis is not None and sharding.is_split(layer.wqkv.shape[0], cfg.num_kv_heads):
         out_BTD = jax.lax.psum(out_BTD, axis)  # each device's heads add a part; the bias comes once
     if layer.bo is not None:
         out_BTD = out_BTD + layer.bo
-    return out_BTD, (k_cache, v_cache, k_scale, v_scale)
+    return out_BTD
 
 
 def _write(cache_BKSH, new_BKTH, scale_BKS, cursor):
@@ -104,6 +120,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     inv_freq = jnp.asarray(inv_freq)
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
     t_T = jnp.arange(T, dtype=jnp.int32)
+    fused = None
     if fresh:
         roll_BT = (t_T[None, :] + cache.start[:, None]) % T
         unroll_BT = (t_T[None, :] - cache.start[:, None]) % T
@@ -115,7 +132,14 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         q_slots_T = cache.cursor + t_T
         # Left padding sits before start; its (unused) positions are clamped to 0.
         positions_BT = jnp.maximum(q_slots_T[None, :] - cache.start[:, None], 0)
-        masks = {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
+        mode = T == 1 and kernels.decode_attention_mode(params.dtype, cfg.head_dim, 2 * inv_freq.shape[0],
+                                                        cache.k_scale is not None)
+        if mode:  # the new token's rotation, once for all layers' kernels
+            angles_BR = positions_BT.astype(jnp.float32) * inv_freq
+            fused = (cache.start, jnp.cos(angles_BR) * rope_scale, jnp.sin(angles_BR) * rope_scale,
+                     mode == "interpret")
+        masks = dict.fromkeys(windows) if mode else \
+            {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
     new_kv = []
     for i, layer in enumerate(params.layers):
@@ -127,7 +151,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                       cache.v_scale and cache.v_scale[i])
                 out_BTD, kv = _attention_block(cfg, layer, h_BTD, positions_BT, kv, cache.cursor,
                                                masks[window], inv_freq, rope_scale, axis, window,
-                                               unroll_BT)
+                                               unroll_BT, fused)
                 x_BTD = x_BTD + out_BTD
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
                 x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm,

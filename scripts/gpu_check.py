@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Check the GPU-only code paths on a GPU, where CI (CPU) cannot: exit 1 if one is off.
 
-    python scripts/gpu_check.py
+    python scripts/gpu_check.py [SECTION ...]   # decode_attention attention fresh_prefill moe
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
   ragged batch at real model widths: logits, the next decode step, the cache it wrote;
+- the Pallas decode-attention kernel against float32 XLA attention (rows of different starts,
+  long caches split over programs, a sliding window, Qwen3's head norms), and decode steps
+  through it against XLA's masked form at real model widths;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm import model
 from jaxllm.cache import init_cache
@@ -69,6 +73,62 @@ def fresh_prefill():
         check(f"{name} fresh prefill, a greedy token differs (1 = yes)", float(not same), 0)
 
 
+def decode_attention():
+    def reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k_norm):
+        B, K, J, H = qkv.shape
+        G, positions = J - 2, (cursor - start)[:, None]
+        q, k, v = qkv[:, :, :G].reshape(B, 1, K * G, H), qkv[:, None, :, G], qkv[:, None, :, G + 1]
+        if q_norm is not None:
+            q, k = L.rms_norm(q, q_norm, 1e-6), L.rms_norm(k, k_norm, 1e-6)
+        q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), (0, 0, cursor, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, cursor, 0))
+        mask = L.visible_mask(cursor + jnp.arange(1), start, k_cache.shape[2], window)
+        return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache
+
+    for B, K, G, H, S, cursor, window, norm in [(1, 8, 4, 128, 384, 300, None, False),
+                                                (1, 3, 3, 64, 384, 200, None, False),
+                                                (4, 8, 4, 128, 8448, 8000, None, False),
+                                                (2, 8, 2, 128, 8448, 500, None, True),
+                                                (32, 8, 4, 128, 384, 383, 100, False)]:
+        keys = jax.random.split(jax.random.key(S + cursor), 5)
+        qkv = jax.random.normal(keys[0], (B, K, G + 2, H), jnp.bfloat16)
+        caches = [jax.random.normal(k, (B, K, S, H), jnp.bfloat16) for k in keys[1:3]]
+        norms = [1 + 0.1 * jax.random.normal(k, (H,), jnp.bfloat16) for k in keys[3:]] if norm else [None, None]
+        start = jnp.arange(B, dtype=jnp.int32) * 7 % 50
+        inv_freq = jnp.asarray(1.0 / 500000 ** (np.arange(0, H, 2) / H), jnp.float32)
+        angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
+        f32 = lambda xs: [None if x is None else x.astype(jnp.float32) for x in xs]
+        want, want_k = jax.jit(reference, static_argnums=6)(
+            *f32([qkv, *caches]), jnp.int32(cursor), start, inv_freq, window, *f32(norms))
+        got, got_k, _ = kernels.decode_attention(qkv, *caches, jnp.int32(cursor), start, jnp.cos(angles),
+                                                 jnp.sin(angles), window=window, q_norm_H=norms[0],
+                                                 k_norm_H=norms[1], eps=1e-6)
+        name = f"decode attention B={B} K={K} G={G} H={H} S={S} cursor={cursor} window={window} norm={norm}"
+        check(name, rel(got, want), 1e-2)
+        check(name + ", cache k", rel(got_k, want_k), 1e-2)
+
+    step = jax.jit(model.step, static_argnames="fresh")
+    for name in ["qwen3-0.6b", "llama3.2-1b"]:
+        cfg = dataclasses.replace(PRESETS[name], num_layers=4)
+        params = random_params(cfg)
+        tokens = jax.random.randint(jax.random.key(2), (3, 256), 0, cfg.vocab_size)
+        start = jnp.asarray([0, 100, 255], jnp.int32)
+        outs = {}
+        for mode in ("auto", "xla"):
+            kernels.DECODE_ATTENTION = mode
+            jax.clear_caches()
+            logits, cache = step(params, tokens, init_cache(cfg, 3, 320, params.dtype, start), fresh=True)
+            steps = []
+            for t in range(8):  # the same tokens in both modes, so the steps stay comparable
+                logits, cache = step(params, tokens[:, t:t + 1], cache)
+                steps.append(logits)
+            outs[mode] = jnp.stack(steps, 1), cache.k[3][:, :, 256:264]
+        kernels.DECODE_ATTENTION = "auto"
+        check(f"{name} decode via the kernel vs XLA, logits", rel(outs["auto"][0], outs["xla"][0]), 3e-2)
+        check(f"{name} decode via the kernel vs XLA, cache k", rel(outs["auto"][1], outs["xla"][1]), 3e-2)
+
+
 def moe():
     for E, A, D, F in [(8, 2, 4096, 14336), (128, 8, 2048, 768)]:
         keys = jax.random.split(jax.random.key(E), 4)
@@ -94,8 +154,8 @@ if __name__ == "__main__":
         print("gpu_check: no GPU here; these paths run only on one", file=sys.stderr)
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    attention()
-    fresh_prefill()
-    moe()
+    sections = {f.__name__: f for f in (decode_attention, attention, fresh_prefill, moe)}
+    for name in sys.argv[1:] or sections:  # by default all; or the named ones
+        sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))
     sys.exit(1 if failures else 0)

@@ -1,0 +1,101 @@
+"""The Pallas decode-attention kernel against XLA's masked form, run in Pallas' interpreter.
+
+On a GPU the kernel runs compiled (scripts/gpu_check.py checks it there in bfloat16); here the
+interpreter executes the same kernel body, so its indexing, masking, splits and cache writes
+are checked in float32 against the reference functions in `layers`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import kernels
+from jaxllm import layers as L
+from jaxllm.cache import init_cache
+from tiny_models import random_tokens, rel_err
+
+
+def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k_norm, eps):
+    """The XLA path of model._attention_block for one new token per row."""
+    B, K, J, H = qkv.shape
+    G = J - 2
+    positions = (cursor - start)[:, None]
+    q = qkv[:, :, :G].reshape(B, 1, K * G, H)
+    k, v = qkv[:, None, :, G], qkv[:, None, :, G + 1]
+    if q_norm is not None:
+        q, k = L.rms_norm(q, q_norm, eps), L.rms_norm(k, k_norm, eps)
+    q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
+    at = (0, 0, cursor, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), at)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), at)
+    mask = L.visible_mask(cursor + jnp.arange(1), start, k_cache.shape[2], window)
+    return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache, v_cache
+
+
+@pytest.mark.parametrize("B, K, G, H, S, cursor, window, qk_norm", [
+    (2, 2, 3, 64, 48, 20, None, False),  # one split, ragged starts
+    (3, 1, 4, 32, 4096, 3000, None, True),  # four splits, Qwen3's per-head norms
+    (2, 2, 2, 64, 160, 150, 8, False),  # a sliding window
+    (1, 2, 1, 16, 2112, 1500, 100, False),  # splits of a cache length not a power of two
+    (1, 1, 2, 16, 2048, 1023, None, False),  # the new token is the last slot of a split
+])
+def test_kernel_equals_xla_attention(B, K, G, H, S, cursor, window, qk_norm):
+    rng = np.random.default_rng(S + cursor)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
+    start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
+    q_norm, k_norm = (normal(H), normal(H)) if qk_norm else (None, None)
+    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
+    angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
+    out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, jnp.cos(angles),
+                                         jnp.sin(angles), window=window, q_norm_H=q_norm, k_norm_H=k_norm,
+                                         eps=1e-6, interpret=True)
+    ref_out, ref_k, ref_v = _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm,
+                                       k_norm, 1e-6)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(k, ref_k, atol=1e-6)  # the rotated key, written at the cursor only
+    np.testing.assert_array_equal(v, ref_v)
+
+
+@pytest.fixture
+def kernel_mode(monkeypatch):
+    """Decode steps take the kernel (interpreted); jit caches cleared around the change."""
+    jax.clear_caches()
+    monkeypatch.setattr(kernels, "DECODE_ATTENTION", "interpret")
+    yield
+    jax.clear_caches()
+
+
+def test_auto_mode_keeps_float32_and_cpu_on_xla():
+    assert kernels.DECODE_ATTENTION == "auto"
+    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False) is None
+    assert kernels.decode_attention_mode(jnp.bfloat16, 64, 64, False) is None  # no GPU here
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_swa", "qwen3"])
+def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, name):
+    m = tiny(name)
+    assert kernels.decode_attention_mode(jnp.float32, m.params.config.head_dim,
+                                         m.params.config.head_dim, False) == "interpret"
+    ids = random_tokens((2, 14), seed=3)
+    ids[1, :3] = m.params.config.pad_id  # row 1 left-padded: its start is 3
+    full = np.array(jaxllm.forward(m.params, ids))
+    full[1, 3:] = np.asarray(jaxllm.forward(m.params, ids[1:, 3:]))[0]
+    cache = init_cache(m.params.config, 2, 32, jnp.float32, start=jnp.asarray([0, 3]))
+    logits, cache = jaxllm.prefill(m.params, ids[:, :8], cache)
+    steps = [np.asarray(logits)]
+    for t in range(8, 14):
+        logits, cache = jaxllm.decode_step(m.params, ids[:, t], cache)
+        steps.append(np.asarray(logits))
+    assert rel_err(np.stack(steps, 1), full[:, 7:14]) < 1e-4
+
+
+def test_generate_through_the_kernel_matches_transformers(kernel_mode, tiny):
+    from tiny_models import hf_greedy
+    m = tiny("mistral")  # sliding window 4: the kernel's window bound is exercised at every step
+    prompt = random_tokens((1, 9), seed=5)
+    out = jaxllm.generate(m.params, prompt, max_new_tokens=12, eos_token_ids=[])
+    ref, _ = hf_greedy(m.hf, m.params.config, prompt, 12)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref)
