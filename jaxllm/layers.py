@@ -47,9 +47,12 @@ def project(x_TC, w_OC, out_dtype=None):
     out_dtype = out_dtype or x_TC.dtype
     if x_MC.shape[0] == 1 and GEMV == "reduce":
         y_MN = jnp.sum(x_MC.astype(jnp.float32) * w_NC.astype(jnp.float32), axis=-1)[None]
+    elif scale_N is None:
+        # The GEMM writes out_dtype itself (accumulating in float32): a float32 result cast after
+        # was a separate convert kernel, 83 us of the 8B shape's 1.5 ms prefill layer on an H200.
+        y_MN = jnp.einsum("MC,NC->MN", x_MC, w_NC, preferred_element_type=out_dtype)
     else:
-        w_NC = w_NC if scale_N is None else w_NC.astype(x_MC.dtype)
-        y_MN = jnp.einsum("MC,NC->MN", x_MC, w_NC, preferred_element_type=jnp.float32)
+        y_MN = jnp.einsum("MC,NC->MN", x_MC, w_NC.astype(x_MC.dtype), preferred_element_type=jnp.float32)
     if scale_N is not None:
         y_MN = y_MN * scale_N
     return y_MN.astype(out_dtype).reshape(*lead, *outs)
