@@ -18,8 +18,11 @@ from jax.experimental.pallas import triton as plt
 # "auto": the Pallas kernel on a GPU where `decode_attention_ok` holds, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).
 DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
-BLOCK_SLOTS = 64  # cache slots per loop iteration (at most; a cache length's power-of-two factor)
-SPLIT_SLOTS = 1024  # cache slots per program: longer caches split over programs, combined after
+# Tiles: cache slots per loop iteration (at most; a cache length's power-of-two factor), cache
+# slots per program (longer caches split over programs, combined after), warps per program.
+# JAXLLM_DECODE_TILES="block,split,warps" overrides them for benchmarking.
+BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "64,1024,4").split(","))
+QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot
 _NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 
@@ -35,7 +38,8 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool) 
         return None
     if DECODE_ATTENTION == "interpret":
         return "interpret"
-    if jax.devices()[0].platform != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    if (jax.devices()[0].platform != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
+            or head_dim < 32):  # a tensor-core dot contracts at least 16 (half a head)
         return None
     return "gpu"
 
@@ -61,13 +65,14 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     B, K, J, H = qkv_BKJH.shape
     S = k_BKSH.shape[2]
     G, R = J - 2, H // 2
+    rows = max(QUERY_ROWS, 1 << (G - 1).bit_length())
     block = _block(S)
     splits = max(1, -(-S // SPLIT_SLOTS))
     span = -(-(-(-S // splits)) // block) * block  # slots per split, a whole number of blocks
     splits = -(-S // span)
     qk_norm = q_norm_H is not None
     kernel = functools.partial(_decode_attention_kernel, G=G, R=R, window=window, span=span,
-                               block=block, splits=splits, eps=eps, qk_norm=qk_norm)
+                               block=block, splits=splits, eps=eps, qk_norm=qk_norm, P=rows)
     row = lambda *block_shape: pl.BlockSpec(block_shape, lambda b, k, s: (b,) + (0,) * (len(block_shape) - 1))
     head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
     vector = pl.BlockSpec((H,), lambda b, k, s: (0,))
@@ -93,7 +98,7 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     outs = pl.pallas_call(
         kernel, grid=(B, K, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={5: n_out, 6: n_out + 1},
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=2),
         interpret=interpret, name="decode_attention")(*args)
     k_BKSH, v_BKSH = outs[n_out:]
     if splits == 1:
@@ -105,9 +110,19 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     return out_BKGH.astype(qkv_BKJH.dtype), k_BKSH, v_BKSH
 
 
+def _dot_t(a_MK, b_NK):
+    """a @ b.T in float32 (a tensor-core dot of the contracted minor axes)."""
+    return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k_ref, v_ref, *refs,
-                             G, R, window, span, block, splits, eps, qk_norm):
-    """One (row, KV head, split of the cache) program; see `decode_attention`."""
+                             G, R, window, span, block, splits, eps, qk_norm, P):
+    """One (row, KV head, split of the cache) program; see `decode_attention`.
+
+    The G queries of the KV head sit in a tile of P >= 16 rows (the rest masked), so scores and
+    the weighted sum are two tensor-core dots per block of slots, and the softmax two row
+    reductions: written per query with vector reductions, the kernel took 20-28 us a layer.
+    """
     if qk_norm:
         q_norm_ref, k_norm_ref, *refs = refs
     else:
@@ -118,35 +133,39 @@ def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k
     part = pl.program_id(2)
     cursor, start = cursor_ref[0], start_ref[0]
     lo = start if window is None else jnp.maximum(start, cursor + 1 - window)
-    cos, sin = cos_ref[0, :], sin_ref[0, :]
+    cos, sin = cos_ref[0, :][None, :], sin_ref[0, :][None, :]
+    is_query = jnp.arange(P) < G
 
-    def rotated(j, norm_ref):  # float32 halves of head row j, normed (Qwen3) and rotated
-        x1 = qkv_ref[j, pl.ds(0, R)].astype(f32)
-        x2 = qkv_ref[j, pl.ds(R, R)].astype(f32)
+    def rotated(x1, x2, norm_ref):  # float32 [rows, R] halves, normed (Qwen3) and rotated
         if norm_ref is not None:  # as layers.rms_norm: normalize in float32, weight in the dtype
-            inv = jax.lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / H + eps)
-            x1 = ((x1 * inv).astype(dtype) * norm_ref[pl.ds(0, R)]).astype(f32)
-            x2 = ((x2 * inv).astype(dtype) * norm_ref[pl.ds(R, R)]).astype(f32)
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / H + eps)
+            x1 = ((x1 * inv[:, None]).astype(dtype) * norm_ref[pl.ds(0, R)][None, :]).astype(f32)
+            x2 = ((x2 * inv[:, None]).astype(dtype) * norm_ref[pl.ds(R, R)][None, :]).astype(f32)
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
-    scale = H ** -0.5
-    q = [tuple(half * scale for half in rotated(g, q_norm_ref)) for g in range(G)]
-    k1, k2 = (half.astype(k_ref.dtype) for half in rotated(G, k_norm_ref))
-    v = qkv_ref[G + 1, :].astype(v_ref.dtype)
+    def query_half(at):
+        return plt.load(qkv_ref.at[pl.ds(0, P), pl.ds(at, R)], mask=is_query[:, None], other=0).astype(f32)
+
+    q1, q2 = (half.astype(dtype) for half in rotated(query_half(0), query_half(R), q_norm_ref))
+    row = lambda j, at: qkv_ref[pl.ds(j, 1), pl.ds(at, R)].astype(f32)
+    k1, k2 = (half.astype(k_ref.dtype) for half in rotated(row(G, 0), row(G, R), k_norm_ref))
+    v = qkv_ref[pl.ds(G + 1, 1), :].astype(v_ref.dtype)
     owner = cursor // span == part  # the split holding the new token writes and counts it
 
     @pl.when(owner)
     def _():
-        k_out_ref[pl.ds(cursor, 1), pl.ds(0, R)] = k1[None, :]
-        k_out_ref[pl.ds(cursor, 1), pl.ds(R, R)] = k2[None, :]
-        v_out_ref[pl.ds(cursor, 1), :] = v[None, :]
+        k_out_ref[pl.ds(cursor, 1), pl.ds(0, R)] = k1
+        k_out_ref[pl.ds(cursor, 1), pl.ds(R, R)] = k2
+        v_out_ref[pl.ds(cursor, 1), :] = v
 
-    k1, k2, v = k1.astype(f32), k2.astype(f32), v.astype(f32)
-    m = [jnp.where(owner, jnp.sum(q1 * k1) + jnp.sum(q2 * k2), _NEG) for q1, q2 in q]
+    scale = H ** -0.5
     # 1.0 or 0.0 from integers: Pallas' Triton lowering took a bool -> float convert for a no-op.
     owned = (1 - jnp.minimum(jnp.abs(cursor // span - part), 1)).astype(f32)
-    l = [owned for _ in range(G)]
-    acc = [v * owned for _ in range(G)]
+    new_score = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
+                 + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale
+    m = jnp.where(owner, new_score, _NEG)
+    l = jnp.zeros((P,), f32) + owned
+    acc = jnp.zeros((P, H), f32) + v.astype(f32) * owned
 
     # The cached slots of this split that the token sees: [lo, cursor) within the split's span.
     first = jnp.maximum(lo, part * span)
@@ -156,31 +175,26 @@ def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k
         m, l, acc = carry
         base = pl.multiple_of(i * block, block)
         slot = base + jnp.arange(block)
-        seen = (slot >= first) & (slot < last)
-        kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(f32)
-        kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(f32)
-        vb = v_ref[pl.ds(base, block), :].astype(f32)
-        m2, l2, acc2 = [], [], []
-        for g, (q1, q2) in enumerate(q):
-            s = jnp.sum(kb1 * q1[None, :], axis=1) + jnp.sum(kb2 * q2[None, :], axis=1)
-            s = jnp.where(seen, s, _NEG)
-            m_new = jnp.maximum(m[g], jnp.max(s))
-            p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
-            correction = jnp.exp(m[g] - m_new)
-            m2.append(m_new)
-            l2.append(l[g] * correction + jnp.sum(p))
-            acc2.append(acc[g] * correction + jnp.sum(p[:, None] * vb, axis=0))
-        return m2, l2, acc2
+        seen = ((slot >= first) & (slot < last))[None, :]
+        kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
+        kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
+        s = (_dot_t(q1, kb1) + _dot_t(q2, kb2)) * scale  # [P, block]
+        s = jnp.where(seen, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        vb = v_ref[pl.ds(base, block), :].astype(dtype)
+        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), vb, preferred_element_type=f32)
+        return m_new, l * correction + jnp.sum(p, axis=1), acc
 
     m, l, acc = jax.lax.fori_loop(first // block, jnp.maximum(first // block, -(-last // block)),
                                   body, (m, l, acc))
     if splits == 1:
         (out_ref,) = out_refs
-        for g in range(G):
-            out_ref[g, :] = (acc[g] / l[g]).astype(out_ref.dtype)
+        plt.store(out_ref.at[pl.ds(0, P), :], (acc / l[:, None]).astype(out_ref.dtype),
+                  mask=is_query[:, None])
     else:
         acc_ref, m_ref, l_ref = out_refs
-        for g in range(G):
-            acc_ref[g, :] = acc[g]
-            m_ref[g] = m[g]
-            l_ref[g] = l[g]
+        plt.store(acc_ref.at[pl.ds(0, P), :], acc, mask=is_query[:, None])
+        plt.store(m_ref.at[pl.ds(0, P)], m, mask=is_query)
+        plt.store(l_ref.at[pl.ds(0, P)], l, mask=is_query)
