@@ -4,7 +4,10 @@ Measured on an H200 (bench traces, batch 1): a decode layer ran 17 kernels, and 
 between the qkv and o projections (rotary, two cache writes, scores, two softmax reductions, a
 convert, the weighted sum, a concatenate) took 1-3 us each however small their work: 12 us of the
 8B shape's 126 us layer and most of SmolLM2's 28 us one. `decode_attention` does that span in
-one kernel, and reads only each row's live slots, where XLA's masked form reads the whole cache.
+one kernel (plus a small combine when the cache is split over programs), and reads only each
+row's live slots, where XLA's masked form reads the whole cache. In a chain of 32 layers on the
+H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 against 9.5
+(SmolLM2), 19.3 against 24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
 """
 
 import functools
@@ -15,13 +18,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-# "auto": the Pallas kernel on a GPU where `decode_attention_ok` holds, else XLA's masked form;
+# "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).
 DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
 # Tiles: cache slots per loop iteration (at most; a cache length's power-of-two factor), cache
 # slots per program (longer caches split over programs, combined after), warps per program.
-# JAXLLM_DECODE_TILES="block,split,warps" overrides them for benchmarking.
-BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "64,1024,4").split(","))
+# 32,128,4 had the lowest total of five tile sets over the five cases above (64,1024,4: 25%
+# more). JAXLLM_DECODE_TILES="block,split,warps" overrides them for benchmarking.
+BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "32,128,4").split(","))
 QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot
 _NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
