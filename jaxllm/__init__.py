@@ -8,8 +8,8 @@ Dimension alphabet, used the same way in names (`x_BTD`), einsums and docstrings
 Inside `shard_map`, N, K, F are per-device counts.
 
 Modules import only from those above them:
-  config -> quant -> layers -> params -> cache -> memory -> model -> sampling -> generate -> hf,
-  gguf, loader, tokenizer -> cli
+  config -> quant -> layers -> kernels -> params -> cache -> memory -> model -> sampling ->
+  generate -> hf, gguf, loader, tokenizer -> cli
 """
 
 from jaxllm import compile_cache
