@@ -30,13 +30,16 @@ QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest
 _NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 
-def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool) -> str | None:
+def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool,
+                          cache_length: int) -> str | None:
     """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel.
 
     The kernel wants a float16/bfloat16 model (float32 models keep XLA's exact form), the whole
-    head rotated (its halves power-of-two sized), and a cache in the model dtype.
+    head rotated (its halves power-of-two sized), a cache in the model dtype, and a cache length
+    that is a multiple of 16 (its blocks of slots are tensor-core dot operands; `generate`'s
+    bucketed lengths always are, a hand-made cache may not be).
     """
-    if DECODE_ATTENTION == "xla" or kv_int8 or rotary_dim != head_dim:
+    if DECODE_ATTENTION == "xla" or kv_int8 or rotary_dim != head_dim or cache_length % 16:
         return None
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1) or head_dim < 16:
         return None

@@ -135,7 +135,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         # Not inside shard_map: the kernel has run on one GPU only, and Pallas' interpreter
         # breaks shard_map's varying-axes checks, so no CPU test can stand in for several GPUs.
         mode = T == 1 and axis is None and kernels.decode_attention_mode(
-            params.dtype, cfg.head_dim, 2 * inv_freq.shape[0], cache.k_scale is not None)
+            params.dtype, cfg.head_dim, 2 * inv_freq.shape[0], cache.k_scale is not None, cache.length)
         if mode:  # the new token's rotation, once for all layers' kernels
             angles_BR = positions_BT.astype(jnp.float32) * inv_freq
             fused = (cache.start, jnp.cos(angles_BR) * rope_scale, jnp.sin(angles_BR) * rope_scale,

@@ -70,15 +70,23 @@ def kernel_mode(monkeypatch):
 
 def test_auto_mode_keeps_float32_and_cpu_on_xla():
     assert kernels.DECODE_ATTENTION == "auto"
-    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False) is None
-    assert kernels.decode_attention_mode(jnp.bfloat16, 64, 64, False) is None  # no GPU here
+    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 384) is None
+    assert kernels.decode_attention_mode(jnp.bfloat16, 64, 64, False, 384) is None  # no GPU here
+
+
+def test_kernel_refuses_what_it_cannot_run(kernel_mode):
+    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 384) == "interpret"
+    assert kernels.decode_attention_mode(jnp.float32, 64, 64, True, 384) is None  # int8 cache
+    assert kernels.decode_attention_mode(jnp.float32, 64, 32, False, 384) is None  # partial rotary
+    assert kernels.decode_attention_mode(jnp.float32, 96, 96, False, 384) is None  # halves of 48
+    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 100) is None  # 100 % 16
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_swa", "qwen3"])
 def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, name):
     m = tiny(name)
     assert kernels.decode_attention_mode(jnp.float32, m.params.config.head_dim,
-                                         m.params.config.head_dim, False) == "interpret"
+                                         m.params.config.head_dim, False, 32) == "interpret"
     ids = random_tokens((2, 14), seed=3)
     ids[1, :3] = m.params.config.pad_id  # row 1 left-padded: its start is 3
     full = np.array(jaxllm.forward(m.params, ids))
