@@ -74,9 +74,10 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     G, R = J - 2, H // 2
     rows = max(QUERY_ROWS, 1 << (G - 1).bit_length())
     block = _block(S)
-    splits = max(1, -(-S // SPLIT_SLOTS))
-    span = -(-(-(-S // splits)) // block) * block  # slots per split, a whole number of blocks
-    splits = -(-S // span)
+    cdiv = lambda a, b: -(-a // b)
+    splits = cdiv(S, SPLIT_SLOTS)
+    span = cdiv(cdiv(S, splits), block) * block  # slots per split, a whole number of blocks
+    splits = cdiv(S, span)
     qk_norm = q_norm_H is not None
     kernel = functools.partial(_decode_attention_kernel, G=G, R=R, window=window, span=span,
                                block=block, splits=splits, eps=eps, qk_norm=qk_norm, P=rows)
