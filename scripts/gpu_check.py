@@ -43,6 +43,14 @@ def check(name: str, err: float, bound: float):
         failures.append(name)
 
 
+def _ragged_batch(name: str, seed: int):
+    """A 4-layer model of a preset's widths (random weights) and 3 prompts of 256 slots that
+    start at 0, 100 and 255: (config, params, tokens, start)."""
+    cfg = dataclasses.replace(PRESETS[name], num_layers=4)
+    tokens = jax.random.randint(jax.random.key(seed), (3, 256), 0, cfg.vocab_size)
+    return cfg, random_params(cfg), tokens, jnp.asarray([0, 100, 255], jnp.int32)
+
+
 def attention():
     attend = jax.jit(L.causal_attention, static_argnums=3)
     for T, window, H in [(16, None, 64), (300, None, 128), (2048, None, 128), (300, 64, 128), (1024, 4, 64)]:
@@ -58,10 +66,7 @@ def attention():
 def fresh_prefill():
     step = jax.jit(model.step, static_argnames="fresh")
     for name in ["qwen3-0.6b", "llama3.2-1b"]:
-        cfg = dataclasses.replace(PRESETS[name], num_layers=4)
-        params = random_params(cfg)
-        tokens = jax.random.randint(jax.random.key(1), (3, 256), 0, cfg.vocab_size)
-        start = jnp.asarray([0, 100, 255], jnp.int32)
+        cfg, params, tokens, start = _ragged_batch(name, seed=1)
         outs = {}
         for fresh in (True, False):
             logits, cache = step(params, tokens, init_cache(cfg, 3, 320, params.dtype, start), fresh=fresh)
@@ -110,10 +115,7 @@ def decode_attention():
 
     step = jax.jit(model.step, static_argnames="fresh")
     for name in ["qwen3-0.6b", "llama3.2-1b"]:
-        cfg = dataclasses.replace(PRESETS[name], num_layers=4)
-        params = random_params(cfg)
-        tokens = jax.random.randint(jax.random.key(2), (3, 256), 0, cfg.vocab_size)
-        start = jnp.asarray([0, 100, 255], jnp.int32)
+        cfg, params, tokens, start = _ragged_batch(name, seed=2)
         outs = {}
         for mode in ("auto", "xla"):
             kernels.DECODE_ATTENTION = mode
