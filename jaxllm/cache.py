@@ -63,7 +63,6 @@ def is_int8(kv_dtype) -> bool:
 
 def cache_bytes(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16, kv_dtype=None) -> int:
     """Bytes of the whole cache: 2 * L * B * S * K * (H * itemsize, plus a float32 scale if int8)."""
-    per_slot = config.head_dim * (1 if is_int8(kv_dtype) else jnp.dtype(dtype).itemsize)
-    if is_int8(kv_dtype):
-        per_slot += 4
+    int8 = is_int8(kv_dtype)
+    per_slot = config.head_dim + 4 if int8 else config.head_dim * jnp.dtype(dtype).itemsize
     return 2 * config.num_layers * batch * length * config.num_kv_heads * per_slot

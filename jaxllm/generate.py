@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
-from jaxllm.model import check_tokens, jitted_step, step
+from jaxllm.model import check_kv_int8, check_tokens, jitted_step, step
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
 from jaxllm.trace import check_recompile, compile_count, shape_text
@@ -141,8 +141,7 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is {longest + max_new_tokens}, "
             f"over the model's context of {cfg.max_position_embeddings} tokens")
     steps = bucket(max_new_tokens)
-    if is_int8(kv_dtype) and params.tp is not None:
-        raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
+    check_kv_int8(params, is_int8(kv_dtype))
     check_fit(params, tokens.shape[0], tokens.shape[1], tokens.shape[1] + steps,
               kv_dtype)  # before allocating
     return tokens, start, steps, tokens.shape[1] + steps

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxllm import layers as L
+
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).
 DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
@@ -25,7 +27,8 @@ DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
 # slots per program (longer caches split over programs, combined after), warps per program.
 # 32,128,4 had the lowest total of five tile sets over the five cases above (64,1024,4: 25%
 # more). JAXLLM_DECODE_TILES="block,split,warps" overrides them for benchmarking.
-BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "32,128,4").split(","))
+BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (
+    int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "32,128,4").split(","))
 QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot
 _NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
@@ -45,8 +48,8 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool,
         return None
     if DECODE_ATTENTION == "interpret":
         return "interpret"
-    if (jax.devices()[0].platform != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-            or head_dim < 32):  # a tensor-core dot contracts at least 16 (half a head)
+    if (L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
+            or head_dim < 32):  # bf16 tensor-core dots (Ampere on), contracting at least 16 (half a head)
         return None
     return "gpu"
 

@@ -112,7 +112,7 @@ def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=N
 ATTENTION = os.environ.get("JAXLLM_ATTENTION", "auto")
 
 
-def _gpu_generation() -> int:
+def gpu_generation() -> int:
     """The default device's compute capability major (8 Ampere, 9 Hopper), 0 if not a GPU."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -124,7 +124,7 @@ def uses_cudnn_attention(dtype, head_dim: int) -> bool:
     """Whether `causal_attention` takes cuDNN's fused kernel (never forming [T, T] scores)."""
     if ATTENTION != "auto":
         return ATTENTION == "cudnn"
-    return (_gpu_generation() >= 8 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    return (gpu_generation() >= 8 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and head_dim % 8 == 0 and head_dim <= 128)
 
 
@@ -316,7 +316,7 @@ def _mgpu_ok(x_RK, w_ENK) -> bool:
     if GROUPED_GEMM != "auto" or isinstance(w_ENK, QuantizedWeight):
         return False
     E, N, K = w_ENK.shape
-    return (_gpu_generation() == 9 and x_RK.dtype == w_ENK.dtype
+    return (gpu_generation() == 9 and x_RK.dtype == w_ENK.dtype
             and x_RK.dtype in (jnp.bfloat16, jnp.float16)
             and K % MGPU_TILES["block_k"] == 0 and N % MGPU_TILES["block_n"] == 0)
 

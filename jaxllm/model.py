@@ -249,10 +249,15 @@ def forward(params: Params, tokens_BT) -> jax.Array:
     return _forward(params, jnp.asarray(tokens))
 
 
+def check_kv_int8(params: Params, int8: bool) -> None:
+    """ValueError for an int8 KV cache with sharded params, which the model cannot run yet."""
+    if int8 and params.tp is not None:
+        raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
+
+
 def _check_room(cache: KVCache, new: int, params: Params) -> int:
     """The cache's cursor, after checking that `new` more tokens fit."""
-    if cache.k_scale is not None and params.tp is not None:
-        raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
+    check_kv_int8(params, cache.k_scale is not None)
     cursor = int(cache.cursor)
     if cursor + new > cache.length:
         raise ValueError(f"cache full: writing {new} token(s) at slot {cursor} needs "
