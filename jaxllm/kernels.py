@@ -11,6 +11,7 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 """
 
 import functools
+import math
 import os
 
 import jax
@@ -19,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxllm import layers as L
+from jaxllm.quant import QuantizedWeight
 
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).
@@ -209,3 +211,165 @@ def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k
         plt.store(acc_ref.at[pl.ds(0, P), :], acc, mask=is_query[:, None])
         plt.store(m_ref.at[pl.ds(0, P)], m, mask=is_query)
         plt.store(l_ref.at[pl.ds(0, P)], l, mask=is_query)
+
+
+# Decode projections. A batch-1 decode layer in XLA's hands ran, besides its four matrix-vector
+# products, each norm's reduction as a kernel of its own and the SwiGLU multiply, 1-3 us each
+# however small the work. `project` folds the norm before, and the bias, SwiGLU or residual
+# after, into the product's own kernel: four kernels a layer around the attention kernel.
+# Measured on an H200 in chains of layers (norm+qkv, o+residual, norm+gate/up+SwiGLU,
+# down+residual): SmolLM2's widths 15.7 us a layer against XLA's 18.4, Llama-3.2-1B's 43.7
+# against 44.0, but Llama-3-8B's 123 against 115 (3.55 TB/s against XLA's 3.79) and 8B in int8
+# 94 against 89: XLA's reduction streams large matrices faster. So the kernel takes matrices of
+# at most KERNEL_MAX_WEIGHTS weights, where launches, not bandwidth, set the time.
+# "auto": the kernel on a GPU where `decode_project_mode` allows; "xla" never; "interpret" in
+# Pallas' interpreter (tests on the CPU).
+DECODE_PROJECT = os.environ.get("JAXLLM_DECODE_PROJECT", "auto")
+KERNEL_MAX_WEIGHTS = 8 * 2**20
+# Tiles: weights a program loads at once (its rows times a chunk of the input channels), the
+# largest chunk, warps. Of six sets, 4096,2048,4 was fastest at SmolLM2's and Llama-3.2-1B's
+# widths. JAXLLM_PROJECT_TILES="elements,chunk,warps" overrides them for benchmarking.
+PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
+    int(x) for x in os.environ.get("JAXLLM_PROJECT_TILES", "4096,2048,4").split(","))
+
+
+def decode_project_mode(dtype, rows: int) -> str | None:
+    """"gpu", "interpret" or None (XLA): whether a decode step's projections take `project`'s kernel.
+
+    The kernel computes one row (batch 1) and, on a GPU, wants a float16/bfloat16 model; float32
+    models keep XLA's exact form.
+    """
+    if DECODE_PROJECT == "xla" or rows != 1:
+        return None
+    if DECODE_PROJECT == "interpret":
+        return "interpret"
+    if L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return None
+    return "gpu"
+
+
+def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
+            swiglu: bool = False, out_dtype=None, mode: str | None = None):
+    """[residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or with `swiglu` (w [2, F, C]: gate
+    and up) silu(gate) * up: XLA's `layers` arithmetic, in one kernel when `mode` is "gpu" or
+    "interpret", x is one row and w has at most KERNEL_MAX_WEIGHTS weights, else in XLA.
+
+    w may be a `QuantizedWeight` (int8 rows, per-output scales), converted in registers.
+    The kernel scales each row's products by the norm's inverse RMS after the sum (exact in real
+    arithmetic), where XLA rounds the normalized x to its dtype first.
+    """
+    M, C = x_MC.shape
+    out_dtype = out_dtype or x_MC.dtype
+    large = math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
+    if mode is None or M != 1 or large or (swiglu and bias_N is not None):
+        return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    padded = 1 << (C - 1).bit_length()
+    chunk = min(padded, MAX_CHUNK)
+    rows = min(max(1, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
+    return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, eps=eps, swiglu=swiglu,
+                                out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
+                                interpret=mode == "interpret")
+
+
+def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype):
+    """`project` as the layers compose it in XLA."""
+    if norm_C is not None:
+        x_MC = L.rms_norm(x_MC, norm_C, eps)
+    if swiglu:
+        y_MN = L.project(x_MC, w_NC)
+        y_MN = jax.nn.silu(y_MN[:, 0]) * y_MN[:, 1]
+    else:
+        y_MN = L.project(x_MC, w_NC, out_dtype)
+    if bias_N is not None:
+        y_MN = y_MN + bias_N
+    return y_MN if residual_MN is None else residual_MN + y_MN
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "out_dtype", "rows", "chunk",
+                                             "interpret"))
+def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu, out_dtype, rows,
+                         chunk, interpret):
+    """The pallas_call of `project`: one program per `rows` output channels."""
+    C = x_MC.shape[1]
+    scales = None
+    if isinstance(w_NC, QuantizedWeight):
+        w_NC, scales = w_NC.q, w_NC.scale
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    if swiglu:  # gate and up rows of the same output channels, as two operands of one array
+        w_specs = [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
+        w_args = [w_NC, w_NC]
+        s_specs = [pl.BlockSpec((None, rows), lambda j, p=p: (p, j)) for p in (0, 1)]
+        s_args = [scales, scales]
+    else:
+        w_specs, w_args = [pl.BlockSpec((rows, C), lambda j: (j, 0))], [w_NC]
+        s_specs, s_args = [pl.BlockSpec((rows,), lambda j: (j,))], [scales]
+    if scales is None:
+        s_specs, s_args = [], []
+    else:
+        s_args = [s.astype(jnp.float32) for s in s_args]
+    specs, args = [pl.BlockSpec((1, C), lambda j: (0, 0))], [x_MC]
+    if norm_C is not None:
+        specs.append(pl.BlockSpec((C,), lambda j: (0,)))
+        args.append(norm_C)
+    specs += w_specs + s_specs
+    args += w_args + s_args
+    if bias_N is not None:
+        specs.append(pl.BlockSpec((rows,), lambda j: (j,)))
+        args.append(bias_N)
+    if residual_MN is not None:
+        specs.append(pl.BlockSpec((1, rows), lambda j: (0, j)))
+        args.append(residual_MN)
+    kernel = functools.partial(
+        _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, norm=norm_C is not None,
+        scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None)
+    return pl.pallas_call(
+        kernel, grid=(width // rows,), in_specs=specs,
+        out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, width), out_dtype),
+        compiler_params=plt.CompilerParams(num_warps=PROJECT_WARPS, num_stages=1),
+        interpret=interpret, name="decode_project")(*args)
+
+
+def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual):
+    """One program: `project` for a few output channels, reading their weight rows in as few
+    chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
+    on memory once per chunk, not once per loop step of a pipelined tile."""
+    refs = list(refs)
+    take = lambda n=1: [refs.pop(0) for _ in range(n)]
+    g_ref = take()[0] if norm else None
+    w_refs = take(2 if swiglu else 1)
+    s_refs = take(len(w_refs)) if scaled else [None] * len(w_refs)
+    b_ref = take()[0] if biased else None
+    r_ref = take()[0] if residual else None
+    (o_ref,) = refs
+    f32, dtype = jnp.float32, x_ref.dtype
+    rows = w_refs[0].shape[0]
+    ys = [jnp.zeros((rows,), f32) for _ in w_refs]
+    squares = jnp.zeros((1,), f32)
+    for done in range(0, C, chunk):  # a static loop: C / chunk is small
+        # One chunk covering all of a short row (masked past C); for longer rows the last chunk
+        # ends at C, overlapping the one before, its overlap masked.
+        at = done if C <= chunk or done + chunk <= C else C - chunk
+        cols = (at + jnp.arange(chunk) >= done) & (at + jnp.arange(chunk) < C)
+        x = plt.load(x_ref.at[pl.ds(0, 1), pl.ds(at, chunk)], mask=cols[None, :], other=0).astype(f32)
+        if norm:  # the inverse RMS scales the sums after the loop
+            squares = squares + jnp.sum(x * x, axis=1)
+            x = x * plt.load(g_ref.at[pl.ds(at, chunk)], mask=cols, other=0).astype(f32)[None, :]
+        ys = [y + jnp.sum(plt.load(w_ref.at[:, pl.ds(at, chunk)], mask=cols[None, :],
+                                   other=0).astype(f32) * x, axis=1)
+              for y, w_ref in zip(ys, w_refs)]
+    if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
+        ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]
+    ys = [y if s_ref is None else y * s_ref[...] for y, s_ref in zip(ys, s_refs)]
+    if swiglu:  # as layers.mlp: the products in x's dtype, then silu(gate) * up
+        gate, up = (y.astype(dtype).astype(f32) for y in ys)
+        y = (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(f32) * up
+    else:
+        y = ys[0]
+    y = y.astype(o_ref.dtype)
+    if biased:
+        y = y + b_ref[...].astype(o_ref.dtype)
+    if residual:
+        y = r_ref[0, :].astype(o_ref.dtype) + y
+    o_ref[0, :] = y

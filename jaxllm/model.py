@@ -20,30 +20,28 @@ from jaxllm.config import ModelConfig, rope_frequencies
 from jaxllm.params import Layer, Params
 
 
-def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cursor,
-                     mask_BTS, inv_freq, rope_scale, axis=None, window=None, unroll_BT=None,
-                     fused=None):
-    """Self-attention of T new tokens over the cache; returns (out_BTD, kv).
+def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv, cursor,
+                     mask_BTS, inv_freq, rope_scale, window=None, unroll_BT=None, fused=None):
+    """Self-attention of T new tokens over the cache; returns (heads [B, T, K*G*H], kv).
+
+    `qkv_BTKJH` is the projection of the normed tokens, bias included: per KV head, G queries,
+    then k, then v.
 
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
     `fused` marks a decode step taking the Pallas kernel: (start_B, cos_BR, sin_BR, interpret).
 
-    With `axis` (inside shard_map), K is the device's KV heads and the output is psummed over it.
+    Inside shard_map, K is the device's KV heads.
     """
     G = cfg.q_per_kv
-    qkv_BTKJH = L.project(h_BTD, layer.wqkv)
-    if layer.bqkv is not None:
-        qkv_BTKJH = qkv_BTKJH + layer.bqkv
     B, T, K, _, H = qkv_BTKJH.shape
     if fused is not None:  # rotation, cache writes and attention in one kernel
         start_B, cos_BR, sin_BR, interpret = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
             qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, cos_BR, sin_BR, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret)
-        return _attention_out(cfg, layer, out_BKGH.reshape(B, T, K * G * H), axis), \
-            (k_cache, v_cache, None, None)
+        return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     q_BTNH = qkv_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = qkv_BTKJH[:, :, :, G], qkv_BTKJH[:, :, :, G + 1]
     if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
@@ -61,8 +59,7 @@ def _attention_block(cfg: ModelConfig, layer: Layer, h_BTD, positions_BT, kv, cu
     if unroll_BT is None:
         out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS, k_scale,
                                 v_scale)
-    return _attention_out(cfg, layer, out_BTKGH.reshape(B, T, K * G * H), axis), \
-        (k_cache, v_cache, k_scale, v_scale)
+    return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, k_scale, v_scale)
 
 
 def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
@@ -143,21 +140,39 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
+    proj = _project_mode(params, B, T, axis)
+    eps = cfg.rms_norm_eps
     new_kv = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 window = cfg.sliding_window if cfg.is_sliding(i) else None
-                h_BTD = L.rms_norm(x_BTD, layer.attn_norm, cfg.rms_norm_eps)
+                if proj:
+                    bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
+                    qkv_BTKJH = _fused(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
+                                       bias_N=bias)
+                else:
+                    qkv_BTKJH = L.project(L.rms_norm(x_BTD, layer.attn_norm, eps), layer.wqkv)
+                    if layer.bqkv is not None:
+                        qkv_BTKJH = qkv_BTKJH + layer.bqkv
                 kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
                       cache.v_scale and cache.v_scale[i])
-                out_BTD, kv = _attention_block(cfg, layer, h_BTD, positions_BT, kv, cache.cursor,
-                                               masks[window], inv_freq, rope_scale, axis, window,
-                                               unroll_BT, fused)
-                x_BTD = x_BTD + out_BTD
+                heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv,
+                                                 cache.cursor, masks[window], inv_freq,
+                                                 rope_scale, window, unroll_BT, fused)
+                if proj:
+                    wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
+                    x_BTD = _fused(proj, heads_BTC, wo_DC, bias_N=layer.bo, residual=x_BTD)
+                else:
+                    x_BTD = x_BTD + _attention_out(cfg, layer, heads_BTC, axis)
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
-                x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm,
-                                                                      cfg.rms_norm_eps), axis)
+                if proj and not cfg.is_moe(i):
+                    act_BTF = _fused(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm, eps=eps,
+                                     swiglu=True)
+                    x_BTD = _fused(proj, act_BTF, layer.w_down, residual=x_BTD)
+                else:
+                    x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm, eps),
+                                               axis)
         new_kv.append(kv)
     if fresh:
         x_BTD = jnp.take_along_axis(x_BTD, unroll_BT[:, :, None], axis=1)
@@ -168,12 +183,32 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     return x_BTD, cache
 
 
-def logits(params: Params, x_BTD):
-    """Final norm and output projection; float32 logits [B, T, V]."""
+def _project_mode(params: Params, B: int, T: int, axis=None) -> str | None:
+    """Whether a step's projections take `kernels.project` (decode steps, not inside shard_map)."""
+    return kernels.decode_project_mode(params.dtype, B) if T == 1 and axis is None else None
+
+
+def _fused(mode: str, x_BTC, w, *, residual=None, **kw):
+    """`kernels.project` of [B, T, C] activations against w [O..., C], or with `swiglu` against
+    gate/up [2, F, C]; returns [B, T, O...] ([B, T, F])."""
+    B, T, C = x_BTC.shape
+    swiglu = kw.get("swiglu", False)
+    outs = w.shape[1:2] if swiglu else w.shape[:-1]
+    w = w if swiglu else w.reshape(-1, C)
+    residual_MN = None if residual is None else residual.reshape(B * T, -1)
+    y_MN = kernels.project(x_BTC.reshape(B * T, C), w, residual_MN=residual_MN, mode=mode, **kw)
+    return y_MN.reshape(B, T, *outs)
+
+
+def logits(params: Params, x_BTD, proj: str | None = None):
+    """Final norm and output projection; float32 logits [B, T, V]. `proj`: see `_project_mode`."""
     with jax.named_scope("lm_head"):
-        x_BTD = L.rms_norm(x_BTD, params.final_norm, params.config.rms_norm_eps)
         head_VD = params.embed if params.lm_head is None else params.lm_head
-        return L.project(x_BTD, head_VD, jnp.float32)
+        eps = params.config.rms_norm_eps
+        if proj:
+            return _fused(proj, x_BTD, head_VD, norm_C=params.final_norm, eps=eps,
+                          out_dtype=jnp.float32)
+        return L.project(L.rms_norm(x_BTD, params.final_norm, eps), head_VD, jnp.float32)
 
 
 def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
@@ -192,7 +227,8 @@ def _forward(params: Params, tokens_BT):
 
 def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
     x_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh)
-    return logits(params, x_BTD[:, -1:])[:, 0], cache
+    proj = _project_mode(params, *tokens_BT.shape, axis)
+    return logits(params, x_BTD[:, -1:], proj)[:, 0], cache
 
 
 def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False):

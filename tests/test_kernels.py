@@ -1,8 +1,8 @@
-"""The Pallas decode-attention kernel against XLA's masked form, run in Pallas' interpreter.
+"""The Pallas decode kernels against XLA's forms, run in Pallas' interpreter.
 
-On a GPU the kernel runs compiled (scripts/gpu_check.py checks it there in bfloat16); here the
-interpreter executes the same kernel body, so its indexing, masking, splits and cache writes
-are checked in float32 against the reference functions in `layers`.
+On a GPU the kernels run compiled (scripts/gpu_check.py checks them there in bfloat16); here the
+interpreter executes the same kernel bodies, so their indexing, masking, splits, cache writes and
+epilogues are checked in float32 against the reference functions in `layers`.
 """
 
 import jax
@@ -14,6 +14,7 @@ import jaxllm
 from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm.cache import init_cache
+from jaxllm.quant import QuantizedWeight, quantize_params
 from tiny_models import random_tokens, rel_err
 
 
@@ -82,22 +83,37 @@ def test_kernel_refuses_what_it_cannot_run(kernel_mode):
     assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 100) is None  # 100 % 16
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_swa", "qwen3"])
-def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, name):
-    m = tiny(name)
-    assert kernels.decode_attention_mode(jnp.float32, m.params.config.head_dim,
-                                         m.params.config.head_dim, False, 32) == "interpret"
+@pytest.fixture
+def project_mode(monkeypatch):
+    """Decode steps' projections take `kernels.project`'s kernel (interpreted)."""
+    jax.clear_caches()
+    monkeypatch.setattr(kernels, "DECODE_PROJECT", "interpret")
+    yield
+    jax.clear_caches()
+
+
+def _decode_matches_forward(m, rows: int = 2):
+    """Prefill 8 tokens then decode 6, the last row left-padded: logits equal the full forward's."""
     ids = random_tokens((2, 14), seed=3)
     ids[1, :3] = m.params.config.pad_id  # row 1 left-padded: its start is 3
     full = np.array(jaxllm.forward(m.params, ids))
     full[1, 3:] = np.asarray(jaxllm.forward(m.params, ids[1:, 3:]))[0]
-    cache = init_cache(m.params.config, 2, 32, jnp.float32, start=jnp.asarray([0, 3]))
+    ids, full, start = ids[-rows:], full[-rows:], jnp.asarray([0, 3][-rows:])
+    cache = init_cache(m.params.config, rows, 32, jnp.float32, start=start)
     logits, cache = jaxllm.prefill(m.params, ids[:, :8], cache)
     steps = [np.asarray(logits)]
     for t in range(8, 14):
         logits, cache = jaxllm.decode_step(m.params, ids[:, t], cache)
         steps.append(np.asarray(logits))
     assert rel_err(np.stack(steps, 1), full[:, 7:14]) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_swa", "qwen3"])
+def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, name):
+    m = tiny(name)
+    assert kernels.decode_attention_mode(jnp.float32, m.params.config.head_dim,
+                                         m.params.config.head_dim, False, 32) == "interpret"
+    _decode_matches_forward(m)
 
 
 def test_generate_through_the_kernel_matches_transformers(kernel_mode, tiny):
@@ -107,3 +123,83 @@ def test_generate_through_the_kernel_matches_transformers(kernel_mode, tiny):
     out = jaxllm.generate(m.params, prompt, max_new_tokens=12, eos_token_ids=[])
     ref, _ = hf_greedy(m.hf, m.params.config, prompt, 12)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+
+
+def _project_cases(M):
+    """(name, x, w, keywords) of each form a decode layer uses, float32 and int8 weights."""
+    key = jax.random.key(M)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    C, N, F = 80, 48, 32  # C: 80 of a padded 128 (or three chunks of 32, the last masked)
+    x, g, b, res = r(0, (M, C)), 1 + r(1, (C,)) / 4, r(2, (N,)), r(3, (M, N))
+    w, w_gate_up = r(4, (N, C)) / 8, r(5, (2, F, C)) / 8
+    q = lambda w: QuantizedWeight(jax.random.randint(jax.random.fold_in(key, 9), w.shape, -127, 128,
+                                                     jnp.int8), jnp.abs(r(6, w.shape[:-1])) / 200,
+                                  jnp.float32)
+    return [("norm + qkv + bias", x, w, dict(norm_C=g, eps=1e-5, bias_N=b)),
+            ("o + bias + residual", x, w, dict(bias_N=b, residual_MN=res)),
+            ("norm + gate/up + swiglu", x, w_gate_up, dict(norm_C=g, swiglu=True)),
+            ("down + residual", x, w, dict(residual_MN=res)),
+            ("norm + lm_head in float32", x, w, dict(norm_C=g, out_dtype=jnp.float32)),
+            ("int8 qkv", x, q(w), dict(norm_C=g)),
+            ("int8 gate/up + swiglu", x, q(w_gate_up), dict(norm_C=g, swiglu=True)),
+            ("int8 down + residual", x, q(w), dict(residual_MN=res))]
+
+
+@pytest.mark.parametrize("chunk", [4096, 32])  # the input channels in one load, then in 3
+def test_project_kernel_equals_xla(monkeypatch, chunk):
+    monkeypatch.setattr(kernels, "MAX_CHUNK", chunk)
+    for name, x, w, kw in _project_cases(1):
+        out = kernels.project(x, w, mode="interpret", **kw)
+        ref = kernels.project(x, w, mode=None, **kw)
+        assert out.shape == ref.shape and out.dtype == ref.dtype, name
+        assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, name
+
+
+def test_project_mode_rules(monkeypatch):
+    assert kernels.DECODE_PROJECT == "auto"
+    assert kernels.decode_project_mode(jnp.float32, 1) is None
+    assert kernels.decode_project_mode(jnp.bfloat16, 1) is None  # no GPU here
+    monkeypatch.setattr(kernels, "DECODE_PROJECT", "interpret")
+    assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
+    assert kernels.decode_project_mode(jnp.float32, 2) is None  # one row only
+
+
+def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
+    """The kernel only where it measured faster: one row, at most KERNEL_MAX_WEIGHTS weights."""
+    calls = []
+    real = kernels._project_kernel_call
+    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = jnp.ones((1, 64)), jnp.ones((32, 64))
+    kernels.project(x, w, mode="interpret")
+    assert len(calls) == 1
+    kernels.project(jnp.ones((2, 64)), w, mode="interpret")  # two rows
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 32 * 64 - 1)
+    kernels.project(x, w, mode="interpret")  # one weight too many
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
+def test_decode_through_both_kernels_matches_the_full_forward(kernel_mode, project_mode, tiny,
+                                                              name):
+    """qkv bias, o bias, Qwen3's norms and a tied lm_head, sliding windows: every fused form.
+    One row: the projection kernel takes batch 1 only."""
+    assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
+    _decode_matches_forward(tiny(name), rows=1)
+
+
+def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny):
+    params = quantize_params(tiny("llama_tied").params)  # the tied table, quantized, is the lm_head
+    ids = random_tokens((1, 6), seed=4)
+    runs = []
+    for mode in ("xla", "interpret"):
+        jax.clear_caches()
+        monkeypatch.setattr(kernels, "DECODE_PROJECT", mode)
+        cache = init_cache(params.config, 1, 16, jnp.float32)
+        _, cache = jaxllm.prefill(params, ids[:, :4], cache)
+        steps = []
+        for t in range(4, 6):
+            logits, cache = jaxllm.decode_step(params, ids[:, t], cache)
+            steps.append(np.asarray(logits))
+        runs.append(np.stack(steps))
+    jax.clear_caches()
+    assert rel_err(runs[1], runs[0]) < 1e-5
