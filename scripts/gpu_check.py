@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Check the GPU-only code paths on a GPU, where CI (CPU) cannot: exit 1 if one is off.
 
-    python scripts/gpu_check.py [SECTION ...]   # decode_attention attention fresh_prefill moe
+    python scripts/gpu_check.py [SECTION ...]   # decode_project decode_attention attention
+                                                # fresh_prefill moe
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
@@ -9,6 +10,9 @@
 - the Pallas decode-attention kernel against float32 XLA attention (rows of different starts,
   long caches split over programs, a sliding window, Qwen3's head norms), and decode steps
   through it against XLA's masked form at real model widths;
+- `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
+  int8 weights) against float32 XLA at Qwen3-0.6B and SmolLM2 widths, and batch-1 decode
+  through it;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
@@ -27,6 +31,7 @@ from jaxllm import layers as L
 from jaxllm import model
 from jaxllm.cache import init_cache
 from jaxllm.presets import PRESETS, random_params
+from jaxllm.quant import quantize
 
 failures = []
 
@@ -131,6 +136,49 @@ def decode_attention():
         check(f"{name} decode via the kernel vs XLA, cache k", rel(outs["auto"][1], outs["xla"][1]), 3e-2)
 
 
+def decode_project():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    upcast = lambda a: a.astype(f32) if a.dtype == bf16 else a
+    for D, N, F in [(1024, 4096, 3072), (576, 960, 1536)]:  # Qwen3-0.6B and SmolLM2 widths
+        keys = jax.random.split(jax.random.key(D), 7)
+        w = jax.random.normal(keys[0], (N, D), bf16) * D ** -0.5
+        w_gate_up = jax.random.normal(keys[1], (2, F, D), bf16) * D ** -0.5
+        w_down = jax.random.normal(keys[2], (D, F), bf16) * F ** -0.5
+        g, b = 1 + 0.1 * jax.random.normal(keys[3], (D,), bf16), jax.random.normal(keys[4], (N,), bf16)
+        x = jax.random.normal(keys[5], (1, D), bf16)  # the kernel takes batch-1 steps
+        act = jax.random.normal(keys[6], (1, F), bf16)
+        cases = [("norm + qkv + bias", x, w, dict(norm_C=g, bias_N=b)),
+                 ("norm + gate/up + swiglu", x, w_gate_up, dict(norm_C=g, swiglu=True)),
+                 ("down + residual", act, w_down, dict(residual_MN=x)),
+                 ("norm + head, float32", x, w, dict(norm_C=g, out_dtype=f32))]
+        cases += [(f"int8 {name}", a, quantize(m), kw) for name, a, m, kw in cases[1:3]]
+        for name, a, m, kw in cases:
+            got = kernels.project(a, m, mode="gpu", **kw)
+            arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+            static = {k: v for k, v in kw.items() if k not in arrays}
+            m32 = m.replace(dtype=f32) if hasattr(m, "q") else m  # int8 values, float32 scale
+            want = kernels.project(upcast(a), jax.tree.map(upcast, m32), mode=None,
+                                   **jax.tree.map(upcast, arrays), **static)
+            check(f"decode project D={D} {name}", rel(got, want), 2e-2)
+
+    step = jax.jit(model.step, static_argnames="fresh")
+    for name in ["qwen3-0.6b", "llama3.2-1b"]:  # batch-1 decode through both kernels, against XLA
+        cfg, params, tokens, start = _ragged_batch(name, seed=3)
+        tokens, start = tokens[1:2], start[1:2]
+        outs = {}
+        for mode in ("auto", "xla"):
+            kernels.DECODE_ATTENTION = kernels.DECODE_PROJECT = mode
+            jax.clear_caches()
+            logits, cache = step(params, tokens, init_cache(cfg, 1, 320, params.dtype, start), fresh=True)
+            steps = []
+            for t in range(8):
+                logits, cache = step(params, tokens[:, t:t + 1], cache)
+                steps.append(logits)
+            outs[mode] = jnp.stack(steps, 1)
+        kernels.DECODE_ATTENTION = kernels.DECODE_PROJECT = "auto"
+        check(f"{name} batch-1 decode via both kernels vs XLA, logits", rel(outs["auto"], outs["xla"]), 3e-2)
+
+
 def moe():
     for E, A, D, F in [(8, 2, 4096, 14336), (128, 8, 2048, 768)]:
         keys = jax.random.split(jax.random.key(E), 4)
@@ -156,7 +204,8 @@ if __name__ == "__main__":
         print("gpu_check: no GPU here; these paths run only on one", file=sys.stderr)
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    sections = {f.__name__: f for f in (decode_attention, attention, fresh_prefill, moe)}
+    sections = {f.__name__: f for f in (decode_project, decode_attention, attention, fresh_prefill,
+                                          moe)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))
