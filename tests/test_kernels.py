@@ -60,13 +60,17 @@ def test_kernel_equals_xla_attention(B, K, G, H, S, cursor, window, qk_norm):
     np.testing.assert_array_equal(v, ref_v)
 
 
-@pytest.fixture
-def kernel_mode(monkeypatch):
-    """Decode steps take the kernel (interpreted); jit caches cleared around the change."""
+def _interpreted(monkeypatch, switch: str):
+    """Decode steps take the kernel behind `switch`, interpreted; jit caches cleared around it."""
     jax.clear_caches()
-    monkeypatch.setattr(kernels, "DECODE_ATTENTION", "interpret")
+    monkeypatch.setattr(kernels, switch, "interpret")
     yield
     jax.clear_caches()
+
+
+@pytest.fixture
+def kernel_mode(monkeypatch):
+    yield from _interpreted(monkeypatch, "DECODE_ATTENTION")
 
 
 def test_auto_mode_keeps_float32_and_cpu_on_xla():
@@ -85,11 +89,7 @@ def test_kernel_refuses_what_it_cannot_run(kernel_mode):
 
 @pytest.fixture
 def project_mode(monkeypatch):
-    """Decode steps' projections take `kernels.project`'s kernel (interpreted)."""
-    jax.clear_caches()
-    monkeypatch.setattr(kernels, "DECODE_PROJECT", "interpret")
-    yield
-    jax.clear_caches()
+    yield from _interpreted(monkeypatch, "DECODE_PROJECT")
 
 
 def _decode_matches_forward(m, rows: int = 2):
