@@ -266,7 +266,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     padded = 1 << (C - 1).bit_length()
     chunk = min(padded, MAX_CHUNK)
-    rows = min(max(1, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
+    # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
+    rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, eps=eps, swiglu=swiglu,
                                 out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
                                 interpret=mode == "interpret")
