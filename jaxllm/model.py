@@ -147,14 +147,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 window = cfg.sliding_window if cfg.is_sliding(i) else None
-                if proj:
-                    bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
-                    qkv_BTKJH = _fused(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
-                                       bias_N=bias)
-                else:
-                    qkv_BTKJH = L.project(L.rms_norm(x_BTD, layer.attn_norm, eps), layer.wqkv)
-                    if layer.bqkv is not None:
-                        qkv_BTKJH = qkv_BTKJH + layer.bqkv
+                bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
+                qkv_BTKJH = _project(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
+                                     bias_N=bias)
                 kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
                       cache.v_scale and cache.v_scale[i])
                 heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv,
@@ -162,14 +157,14 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                                                  rope_scale, window, unroll_BT, fused)
                 if proj:
                     wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
-                    x_BTD = _fused(proj, heads_BTC, wo_DC, bias_N=layer.bo, residual=x_BTD)
+                    x_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo, residual=x_BTD)
                 else:
                     x_BTD = x_BTD + _attention_out(cfg, layer, heads_BTC, axis)
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
                 if proj and not cfg.is_moe(i):
-                    act_BTF = _fused(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm, eps=eps,
-                                     swiglu=True)
-                    x_BTD = _fused(proj, act_BTF, layer.w_down, residual=x_BTD)
+                    act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm,
+                                       eps=eps, swiglu=True)
+                    x_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD)
                 else:
                     x_BTD = x_BTD + _ffn_block(cfg, i, layer, L.rms_norm(x_BTD, layer.mlp_norm, eps),
                                                axis)
@@ -188,9 +183,10 @@ def _project_mode(params: Params, B: int, T: int, axis=None) -> str | None:
     return kernels.decode_project_mode(params.dtype, B) if T == 1 and axis is None else None
 
 
-def _fused(mode: str, x_BTC, w, *, residual=None, **kw):
+def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
     """`kernels.project` of [B, T, C] activations against w [O..., C], or with `swiglu` against
-    gate/up [2, F, C]; returns [B, T, O...] ([B, T, F])."""
+    gate/up [2, F, C]; returns [B, T, O...] ([B, T, F]). Its kernel runs under `mode` (see
+    `_project_mode`), XLA's form otherwise."""
     B, T, C = x_BTC.shape
     swiglu = kw.get("swiglu", False)
     outs = w.shape[1:2] if swiglu else w.shape[:-1]
@@ -204,11 +200,8 @@ def logits(params: Params, x_BTD, proj: str | None = None):
     """Final norm and output projection; float32 logits [B, T, V]. `proj`: see `_project_mode`."""
     with jax.named_scope("lm_head"):
         head_VD = params.embed if params.lm_head is None else params.lm_head
-        eps = params.config.rms_norm_eps
-        if proj:
-            return _fused(proj, x_BTD, head_VD, norm_C=params.final_norm, eps=eps,
-                          out_dtype=jnp.float32)
-        return L.project(L.rms_norm(x_BTD, params.final_norm, eps), head_VD, jnp.float32)
+        return _project(proj, x_BTD, head_VD, norm_C=params.final_norm,
+                        eps=params.config.rms_norm_eps, out_dtype=jnp.float32)
 
 
 def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
