@@ -56,6 +56,28 @@ def _ragged_batch(name: str, seed: int):
     return cfg, random_params(cfg), tokens, jnp.asarray([0, 100, 255], jnp.int32)
 
 
+def _decode_both_ways(cfg, params, tokens, start, switches):
+    """A fresh prefill of `tokens`, then 8 decode steps of the same tokens, with the kernels named
+    by `switches` (module flags of `kernels`) on ("auto"), then off ("xla"):
+    {mode: (logits [B, 8, V], layer 3's cache k at the 8 new slots)}."""
+    step = jax.jit(model.step, static_argnames="fresh")
+    outs = {}
+    for mode in ("auto", "xla"):
+        for switch in switches:
+            setattr(kernels, switch, mode)
+        jax.clear_caches()
+        cache = init_cache(cfg, tokens.shape[0], 320, params.dtype, start)
+        logits, cache = step(params, tokens, cache, fresh=True)
+        steps = []
+        for t in range(8):  # the same tokens in both modes, so the steps stay comparable
+            logits, cache = step(params, tokens[:, t:t + 1], cache)
+            steps.append(logits)
+        outs[mode] = jnp.stack(steps, 1), cache.k[3][:, :, 256:264]
+    for switch in switches:
+        setattr(kernels, switch, "auto")
+    return outs
+
+
 def attention():
     attend = jax.jit(L.causal_attention, static_argnums=3)
     for T, window, H in [(16, None, 64), (300, None, 128), (2048, None, 128), (300, 64, 128), (1024, 4, 64)]:
@@ -118,20 +140,8 @@ def decode_attention():
         check(name, rel(got, want), 1e-2)
         check(name + ", cache k", rel(got_k, want_k), 1e-2)
 
-    step = jax.jit(model.step, static_argnames="fresh")
     for name in ["qwen3-0.6b", "llama3.2-1b"]:
-        cfg, params, tokens, start = _ragged_batch(name, seed=2)
-        outs = {}
-        for mode in ("auto", "xla"):
-            kernels.DECODE_ATTENTION = mode
-            jax.clear_caches()
-            logits, cache = step(params, tokens, init_cache(cfg, 3, 320, params.dtype, start), fresh=True)
-            steps = []
-            for t in range(8):  # the same tokens in both modes, so the steps stay comparable
-                logits, cache = step(params, tokens[:, t:t + 1], cache)
-                steps.append(logits)
-            outs[mode] = jnp.stack(steps, 1), cache.k[3][:, :, 256:264]
-        kernels.DECODE_ATTENTION = "auto"
+        outs = _decode_both_ways(*_ragged_batch(name, seed=2), ["DECODE_ATTENTION"])
         check(f"{name} decode via the kernel vs XLA, logits", rel(outs["auto"][0], outs["xla"][0]), 3e-2)
         check(f"{name} decode via the kernel vs XLA, cache k", rel(outs["auto"][1], outs["xla"][1]), 3e-2)
 
@@ -161,22 +171,12 @@ def decode_project():
                                    **jax.tree.map(upcast, arrays), **static)
             check(f"decode project D={D} {name}", rel(got, want), 2e-2)
 
-    step = jax.jit(model.step, static_argnames="fresh")
     for name in ["qwen3-0.6b", "llama3.2-1b"]:  # batch-1 decode through both kernels, against XLA
         cfg, params, tokens, start = _ragged_batch(name, seed=3)
-        tokens, start = tokens[1:2], start[1:2]
-        outs = {}
-        for mode in ("auto", "xla"):
-            kernels.DECODE_ATTENTION = kernels.DECODE_PROJECT = mode
-            jax.clear_caches()
-            logits, cache = step(params, tokens, init_cache(cfg, 1, 320, params.dtype, start), fresh=True)
-            steps = []
-            for t in range(8):
-                logits, cache = step(params, tokens[:, t:t + 1], cache)
-                steps.append(logits)
-            outs[mode] = jnp.stack(steps, 1)
-        kernels.DECODE_ATTENTION = kernels.DECODE_PROJECT = "auto"
-        check(f"{name} batch-1 decode via both kernels vs XLA, logits", rel(outs["auto"], outs["xla"]), 3e-2)
+        outs = _decode_both_ways(cfg, params, tokens[1:2], start[1:2],
+                                 ["DECODE_ATTENTION", "DECODE_PROJECT"])
+        check(f"{name} batch-1 decode via both kernels vs XLA, logits",
+              rel(outs["auto"][0], outs["xla"][0]), 3e-2)
 
 
 def moe():
