@@ -225,7 +225,9 @@ def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k
 # "auto": the kernel on a GPU where `decode_project_mode` allows; "xla" never; "interpret" in
 # Pallas' interpreter (tests on the CPU).
 DECODE_PROJECT = os.environ.get("JAXLLM_DECODE_PROJECT", "auto")
-KERNEL_MAX_WEIGHTS = 8 * 2**20
+# JAXLLM_PROJECT_MAX_WEIGHTS overrides the limit for benchmarking. 30M (the 8B shape's qkv and
+# o, Llama-3.2-1B's down too) lost on both: 4.11 against 4.06 ms a step, 0.892 against 0.889.
+KERNEL_MAX_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20))
 # Tiles: weights a program loads at once (its rows times a chunk of the input channels), the
 # largest chunk, warps. Of six sets, 4096,2048,4 was fastest at SmolLM2's and Llama-3.2-1B's
 # widths. JAXLLM_PROJECT_TILES="elements,chunk,warps" overrides them for benchmarking.
@@ -357,6 +359,8 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
         if norm:  # the inverse RMS scales the sums after the loop
             squares = squares + jnp.sum(x * x, axis=1)
             x = x * plt.load(g_ref.at[pl.ds(at, chunk)], mask=cols, other=0).astype(f32)[None, :]
+        # int8 weights convert with I2F; through a float's mantissa (integer ops, no I2F) an
+        # 8B-shape int8 chain ran no faster on an H200: 96.2 us a layer against 95.5.
         ys = [y + jnp.sum(plt.load(w_ref.at[:, pl.ds(at, chunk)], mask=cols[None, :],
                                    other=0).astype(f32) * x, axis=1)
               for y, w_ref in zip(ys, w_refs)]
@@ -374,3 +378,72 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     if residual:
         y = r_ref[0, :].astype(o_ref.dtype) + y
     o_ref[0, :] = y
+
+
+# Residual add and RMSNorm. Between a prefill layer's matrix products XLA ran the residual add,
+# the norm's reduction and the normalizing multiply as three kernels, each a pass over the
+# activations: 38.6 us after the down projection and 27.6 after o (add and reduction fused) of
+# the 8B shape's 1.45 ms layer at 2048 tokens on an H200, where one pass (read x and the delta,
+# write the sum and the normed sum) moves 67 MB, about 17 us. `add_norm` is that pass; the
+# 8B shape's 2048-token prefill took 48.84 ms with it against 49.42 without (bench, same run).
+# Decode steps keep XLA's form: at batch 32 the kernel lost, 4.87 against 4.82 ms a step.
+# "auto": the kernel on a GPU where `add_norm_mode` allows; "xla" never; "interpret" in Pallas'
+# interpreter (tests on the CPU).
+ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")
+# Tiles: rows a program (at most; a power of two that divides the row count), warps a program.
+# JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
+ADD_NORM_ROWS, ADD_NORM_WARPS = (
+    int(x) for x in os.environ.get("JAXLLM_ADD_NORM_TILES", "1,4").split(","))
+
+
+def add_norm_mode(dtype) -> str | None:
+    """"gpu", "interpret" or None (XLA): whether `add_norm` takes its kernel (float16/bfloat16
+    models on a GPU; float32 ones keep XLA's exact form)."""
+    if ADD_NORM == "xla":
+        return None
+    if ADD_NORM == "interpret":
+        return "interpret"
+    if L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return None
+    return "gpu"
+
+
+def add_norm(x_MC, delta_MC, norm_C, eps: float, *, mode: str | None = None):
+    """(x + delta, rms_norm(x + delta) with weight norm): the residual stream and the next
+    block's normed input, in one kernel per row when `mode` is "gpu" or "interpret", else XLA."""
+    if mode is None:
+        sum_MC = x_MC + delta_MC
+        return sum_MC, L.rms_norm(sum_MC, norm_C, eps)
+    return _add_norm_call(x_MC, delta_MC.astype(x_MC.dtype), norm_C, eps=eps,
+                          interpret=mode == "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret):
+    M, C = x_MC.shape
+    P = 1 << (C - 1).bit_length()  # the row's power-of-two tile, masked past C
+    rows = min(ADD_NORM_ROWS, M & -M)
+    block = pl.BlockSpec((rows, C), lambda i: (i, 0))
+    normed_dtype = jnp.result_type(norm_C.dtype, x_MC.dtype)
+    return pl.pallas_call(
+        functools.partial(_add_norm_kernel, C=C, P=P, eps=eps), grid=(M // rows,),
+        in_specs=[block, block, pl.BlockSpec((C,), lambda i: (0,))], out_specs=[block, block],
+        out_shape=[jax.ShapeDtypeStruct((M, C), x_MC.dtype),
+                   jax.ShapeDtypeStruct((M, C), normed_dtype)],
+        compiler_params=plt.CompilerParams(num_warps=ADD_NORM_WARPS, num_stages=1),
+        interpret=interpret, name="add_norm")(x_MC, delta_MC, norm_C)
+
+
+def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *, C, P, eps):
+    """A few rows: the sum rounded to x's dtype (as XLA's add), then `layers.rms_norm` of it."""
+    f32 = jnp.float32
+    cols = (jnp.arange(P) < C)[None, :]
+    at = (pl.ds(0, x_ref.shape[0]), pl.ds(0, P))
+    x = plt.load(x_ref.at[at], mask=cols, other=0).astype(f32)
+    d = plt.load(d_ref.at[at], mask=cols, other=0).astype(f32)
+    g = plt.load(g_ref.at[pl.ds(0, P)], mask=cols[0], other=0).astype(f32)
+    total = (x + d).astype(sum_ref.dtype)
+    plt.store(sum_ref.at[at], total, mask=cols)
+    s = total.astype(f32)
+    normed = (s * jax.lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) / C + eps)).astype(x_ref.dtype)
+    plt.store(normed_ref.at[at], (g[None, :] * normed.astype(f32)).astype(normed_ref.dtype), mask=cols)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Check the GPU-only code paths on a GPU, where CI (CPU) cannot: exit 1 if one is off.
 
-    python scripts/gpu_check.py [SECTION ...]   # decode_project decode_attention attention
-                                                # fresh_prefill moe
+    python scripts/gpu_check.py [SECTION ...]   # decode_project decode_attention add_norm
+                                                # attention fresh_prefill moe
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
@@ -13,6 +13,8 @@
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
   int8 weights) against float32 XLA at Qwen3-0.6B and SmolLM2 widths, and batch-1 decode
   through it;
+- `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and prefill plus
+  batched decode through it against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
@@ -179,6 +181,22 @@ def decode_project():
               rel(outs["auto"][0], outs["xla"][0]), 3e-2)
 
 
+def add_norm():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    for M, C in [(2048, 4096), (32, 4096), (3, 576), (5, 896)]:  # prefill, batch 32, odd widths
+        keys = jax.random.split(jax.random.key(M + C), 3)
+        x, delta = (jax.random.normal(k, (M, C), bf16) for k in keys[:2])
+        g = 1 + 0.1 * jax.random.normal(keys[2], (C,), bf16)
+        got = kernels.add_norm(x, delta, g, 1e-5, mode="gpu")
+        want = kernels.add_norm(x.astype(f32), delta.astype(f32), g.astype(f32), 1e-5)
+        check(f"add_norm {M}x{C}, sum", rel(got[0], want[0]), 1e-2)
+        check(f"add_norm {M}x{C}, normed", rel(got[1], want[1]), 2e-2)
+    for name in ["qwen3-0.6b", "llama3.2-1b"]:  # prefill and batch-3 decode through the kernel
+        outs = _decode_both_ways(*_ragged_batch(name, seed=4), ["ADD_NORM"])
+        check(f"{name} prefill + decode via add_norm vs XLA, logits",
+              rel(outs["auto"][0], outs["xla"][0]), 3e-2)
+
+
 def moe():
     for E, A, D, F in [(8, 2, 4096, 14336), (128, 8, 2048, 768)]:
         keys = jax.random.split(jax.random.key(E), 4)
@@ -204,8 +222,8 @@ if __name__ == "__main__":
         print("gpu_check: no GPU here; these paths run only on one", file=sys.stderr)
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    sections = {f.__name__: f for f in (decode_project, decode_attention, attention, fresh_prefill,
-                                          moe)}
+    sections = {f.__name__: f for f in (decode_project, decode_attention, add_norm, attention,
+                                          fresh_prefill, moe)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))

@@ -5,6 +5,8 @@ interpreter executes the same kernel bodies, so their indexing, masking, splits,
 epilogues are checked in float32 against the reference functions in `layers`.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,19 +94,21 @@ def project_mode(monkeypatch):
     yield from _interpreted(monkeypatch, "DECODE_PROJECT")
 
 
-def _decode_matches_forward(m, rows: int = 2):
-    """Prefill 8 tokens then decode 6, the last row left-padded: logits equal the full forward's."""
+def _decode_matches_forward(m, rows: int = 2, kernels_on=contextlib.nullcontext):
+    """Prefill 8 tokens then decode 6, the last row left-padded: logits equal the full forward's
+    (computed outside `kernels_on`, the cached steps inside)."""
     ids = random_tokens((2, 14), seed=3)
     ids[1, :3] = m.params.config.pad_id  # row 1 left-padded: its start is 3
     full = np.array(jaxllm.forward(m.params, ids))
     full[1, 3:] = np.asarray(jaxllm.forward(m.params, ids[1:, 3:]))[0]
     ids, full, start = ids[-rows:], full[-rows:], jnp.asarray([0, 3][-rows:])
-    cache = init_cache(m.params.config, rows, 32, jnp.float32, start=start)
-    logits, cache = jaxllm.prefill(m.params, ids[:, :8], cache)
-    steps = [np.asarray(logits)]
-    for t in range(8, 14):
-        logits, cache = jaxllm.decode_step(m.params, ids[:, t], cache)
-        steps.append(np.asarray(logits))
+    with kernels_on():
+        cache = init_cache(m.params.config, rows, 32, jnp.float32, start=start)
+        logits, cache = jaxllm.prefill(m.params, ids[:, :8], cache)
+        steps = [np.asarray(logits)]
+        for t in range(8, 14):
+            logits, cache = jaxllm.decode_step(m.params, ids[:, t], cache)
+            steps.append(np.asarray(logits))
     assert rel_err(np.stack(steps, 1), full[:, 7:14]) < 1e-4
 
 
@@ -203,3 +207,46 @@ def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny
         runs.append(np.stack(steps))
     jax.clear_caches()
     assert rel_err(runs[1], runs[0]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, C", [(jnp.float32, 80), (jnp.float32, 64), (jnp.bfloat16, 80)])
+def test_add_norm_kernel_equals_xla(dtype, C):
+    """The residual sum exactly (one rounding, as XLA's add), the normed sum to the dtype's last
+    bit at most: C = 80 is a masked tile of 128, 64 a whole one."""
+    key = jax.random.key(C)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    x, delta, g = (r(0, (5, C)) * 3).astype(dtype), r(1, (5, C)).astype(dtype), 1 + r(2, (C,)) / 4
+    g = g.astype(dtype)
+    total, normed = kernels.add_norm(x, delta, g, 1e-5, mode="interpret")
+    ref_total, ref_normed = kernels.add_norm(x, delta, g, 1e-5, mode=None)
+    assert total.dtype == ref_total.dtype == normed.dtype == ref_normed.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(total), np.asarray(ref_total))
+    tol = 1e-6 if dtype == jnp.float32 else 2 ** -7  # bf16: a one-ulp rounding flip at most
+    assert rel_err(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32)) < tol
+
+
+def test_add_norm_mode_rules(monkeypatch):
+    assert kernels.ADD_NORM == "auto"
+    assert kernels.add_norm_mode(jnp.float32) is None
+    assert kernels.add_norm_mode(jnp.bfloat16) is None  # no GPU here
+    monkeypatch.setattr(kernels, "ADD_NORM", "interpret")
+    assert kernels.add_norm_mode(jnp.float32) == "interpret"
+
+
+@pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
+def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, name):
+    """The prefill pairs its residual adds with the next norm in the kernel, and the decode steps
+    after it (on XLA) read the cache it wrote; the reference forward runs on XLA."""
+    m, calls = tiny(name), []
+    real = kernels._add_norm_call
+    monkeypatch.setattr(kernels, "_add_norm_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    @contextlib.contextmanager
+    def kernels_on():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "ADD_NORM", "interpret")
+            yield from _interpreted(patch, "ADD_NORM")
+
+    _decode_matches_forward(m, kernels_on=kernels_on)
+    layers = m.params.config.num_layers
+    assert len(calls) == 2 * layers - 1  # the prefill traced: 2 a layer, the last layer 1
