@@ -39,12 +39,15 @@ def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k
 
 @pytest.mark.parametrize("B, K, G, H, S, cursor, window, qk_norm", [
     (2, 2, 3, 64, 48, 20, None, False),  # one split, ragged starts
-    (3, 1, 4, 32, 4096, 3000, None, True),  # four splits, Qwen3's per-head norms
+    (3, 1, 4, 32, 4096, 3000, None, True),  # many splits, Qwen3's per-head norms
     (2, 2, 2, 64, 160, 150, 8, False),  # a sliding window
     (1, 2, 1, 16, 2112, 1500, 100, False),  # splits of a cache length not a power of two
     (1, 1, 2, 16, 2048, 1023, None, False),  # the new token is the last slot of a split
 ])
-def test_kernel_equals_xla_attention(B, K, G, H, S, cursor, window, qk_norm):
+@pytest.mark.parametrize("multiprocessors", [1, 10**6])  # every grid large (full splits), small
+def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S, cursor, window,
+                                     qk_norm):
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: multiprocessors)
     rng = np.random.default_rng(S + cursor)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
