@@ -16,6 +16,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -73,17 +74,46 @@ def _block(length: int) -> int:
     return min(BLOCK_SLOTS, length & -length)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "eps", "interpret"))
+# A decode step whose output projection takes `project`'s kernel gets the attention's cache
+# splits uncombined (`SplitHeads`), and each of the projection's programs combines them as it
+# loads its input: no combine kernel (1.1-1.3 us of a SmolLM2 layer's 18 on an H200), but every
+# program holds all splits' sums in registers. So only where those are at most this many values
+# (splits and K*G, each to a power of two, times H): SmolLM2 (6 splits, 8 x 16 x 64) ran 0.538
+# ms a step against 0.553 with XLA's combine; at 8 x 16 x 128 Qwen3-0.6B lost (0.742 against
+# 0.725), at 8 x 32 x 64 Llama-3.2-1B more (0.936 against 0.865). JAXLLM_FUSED_HEADS overrides
+# it for benchmarking (0: always XLA's combine).
+FUSED_HEADS_VALUES = int(os.environ.get("JAXLLM_FUSED_HEADS", "8192"))
+
+
+@struct.dataclass
+class SplitHeads:
+    """A decode step's attention output with its cache splits P not yet combined: unnormalized
+    weighted sums acc [B, P, K, G, H] and the softmax's running maxima m and denominators l
+    [B, P, K, G], all float32; `dtype` is the heads' once combined."""
+    acc: jax.Array
+    m: jax.Array
+    l: jax.Array
+    dtype: jnp.dtype = struct.field(pytree_node=False)
+
+    def combined(self) -> jax.Array:
+        """[B, K, G, H]: each split weighted by exp(m - the largest m), over the summed weights."""
+        w_BPKG = jnp.exp(self.m - jnp.max(self.m, axis=1, keepdims=True))
+        return (jnp.sum(self.acc * w_BPKG[..., None], axis=1)
+                / jnp.sum(self.l * w_BPKG, axis=1)[..., None]).astype(self.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out"))
 def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, *,
                      window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
-                     interpret: bool = False):
+                     interpret: bool = False, split_out: bool = False):
     """One new token per row, in one kernel: rotate its q and k, write k and v at slot `cursor`,
     and attend over the row's live slots (start_b .. cursor, the last `window` if given).
 
     qkv [B, K, G+2, H] is the projection's output per KV head (G queries, then k, then v), before
     the optional per-head RMSNorm (Qwen3's q_norm/k_norm, [H]) and the rotation, whose cos and sin
     [B, H/2] (float32, any attention factor included) are the new token's. The caches [B, K, S, H]
-    are updated in place (their buffers aliased to the outputs). Returns (out [B, K, G, H], k, v).
+    are updated in place (their buffers aliased to the outputs). Returns (out [B, K, G, H], k, v);
+    with `split_out`, out is a `SplitHeads` when the cache took more than one split.
     Scores, softmax and the weighted sum run in float32. Jitted, so the layers of a model share
     one lowering of the kernel.
     """
@@ -111,12 +141,12 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, K, G, H), qkv_BKJH.dtype)]
         out_specs = [head(G, H)]
-    else:  # per split: unnormalized sums, running maxima and denominators, combined below
+    else:  # per split: unnormalized sums, running maxima and denominators (see SplitHeads)
         split = lambda *block_shape: pl.BlockSpec((None, None, None, *block_shape),
-                                                  lambda b, k, s: (b, k, s) + (0,) * len(block_shape))
-        out_shape = [jax.ShapeDtypeStruct((B, K, splits, G, H), jnp.float32),
-                     jax.ShapeDtypeStruct((B, K, splits, G), jnp.float32),
-                     jax.ShapeDtypeStruct((B, K, splits, G), jnp.float32)]
+                                                  lambda b, k, s: (b, s, k) + (0,) * len(block_shape))
+        out_shape = [jax.ShapeDtypeStruct((B, splits, K, G, H), jnp.float32),
+                     jax.ShapeDtypeStruct((B, splits, K, G), jnp.float32),
+                     jax.ShapeDtypeStruct((B, splits, K, G), jnp.float32)]
         out_specs = [split(G, H), split(G), split(G)]
     n_out = len(out_shape)
     out_shape += [jax.ShapeDtypeStruct(k_BKSH.shape, k_BKSH.dtype),
@@ -130,11 +160,10 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     k_BKSH, v_BKSH = outs[n_out:]
     if splits == 1:
         return outs[0], k_BKSH, v_BKSH
-    acc_BKPGH, m_BKPG, l_BKPG = outs[:n_out]
-    w_BKPG = jnp.exp(m_BKPG - jnp.max(m_BKPG, axis=2, keepdims=True))
-    out_BKGH = (jnp.sum(acc_BKPGH * w_BKPG[..., None], axis=2)
-                / jnp.sum(l_BKPG * w_BKPG, axis=2)[..., None])
-    return out_BKGH.astype(qkv_BKJH.dtype), k_BKSH, v_BKSH
+    heads = SplitHeads(*outs[:n_out], dtype=qkv_BKJH.dtype)
+    if split_out:
+        return heads, k_BKSH, v_BKSH
+    return heads.combined(), k_BKSH, v_BKSH
 
 
 def _dot_t(a_MK, b_NK):
@@ -273,20 +302,37 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     w may be a `QuantizedWeight` (int8 rows, per-output scales), converted in registers.
     The kernel scales each row's products by the norm's inverse RMS after the sum (exact in real
     arithmetic), where XLA rounds the normalized x to its dtype first.
+    x may be a `SplitHeads` (the heads of a decode step's attention, C = K*G*H) for a product
+    without norm or SwiGLU: the kernel then combines the splits as it loads them.
     """
-    M, C = x_MC.shape
-    out_dtype = out_dtype or x_MC.dtype
+    heads = x_MC if isinstance(x_MC, SplitHeads) else None
+    if heads is not None:
+        M, C = heads.acc.shape[0], math.prod(heads.acc.shape[2:])
+        out_dtype = out_dtype or heads.dtype
+    else:
+        M, C = x_MC.shape
+        out_dtype = out_dtype or x_MC.dtype
+    padded = 1 << (C - 1).bit_length()
     large = math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
-    if mode is None or M != 1 or large or (swiglu and bias_N is not None):
+    fused = heads is None or (norm_C is None and not swiglu
+                              and _heads_values(heads) <= FUSED_HEADS_VALUES)
+    if mode is None or M != 1 or large or (swiglu and bias_N is not None) or not fused:
+        if heads is not None:
+            x_MC = heads.combined().reshape(M, C)
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
-    padded = 1 << (C - 1).bit_length()
     chunk = min(padded, MAX_CHUNK)
     # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
     rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, eps=eps, swiglu=swiglu,
                                 out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
                                 interpret=mode == "interpret")
+
+
+def _heads_values(heads: SplitHeads) -> int:
+    """The values of a `SplitHeads` row as the kernel holds them: splits and K*G to powers of two."""
+    _, P, K, G, H = heads.acc.shape
+    return (1 << (P - 1).bit_length()) * (1 << (K * G - 1).bit_length()) * H
 
 
 def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype):
@@ -308,10 +354,16 @@ def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype
 def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu, out_dtype, rows,
                          chunk, interpret):
     """The pallas_call of `project`: one program per `rows` output channels."""
-    C = x_MC.shape[1]
     scales = None
     if isinstance(w_NC, QuantizedWeight):
         w_NC, scales = w_NC.q, w_NC.scale
+    C, heads = w_NC.shape[-1], None
+    if isinstance(x_MC, SplitHeads):  # as [P, K*G, H] sums, [P, K*G] maxima and denominators
+        _, P, K, G, H = x_MC.acc.shape
+        heads = (P, K * G, H, x_MC.dtype)
+        x_args = [x_MC.acc.reshape(P, K * G, H), x_MC.m.reshape(P, K * G), x_MC.l.reshape(P, K * G)]
+        x_specs = [pl.BlockSpec(a.shape, lambda j, n=a.ndim: (0,) * n) for a in x_args]
+        w_NC = w_NC.reshape(-1, K * G, H)  # rows of weights as [K*G, H], as the heads load
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     if swiglu:  # gate and up rows of the same output channels, as two operands of one array
         w_specs = [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
@@ -319,13 +371,17 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
         s_specs = [pl.BlockSpec((None, rows), lambda j, p=p: (p, j)) for p in (0, 1)]
         s_args = [scales, scales]
     else:
-        w_specs, w_args = [pl.BlockSpec((rows, C), lambda j: (j, 0))], [w_NC]
+        zeros = (0,) * (w_NC.ndim - 1)  # [rows, C], or [rows, K*G, H] against heads
+        w_specs, w_args = [pl.BlockSpec((rows, *w_NC.shape[1:]), lambda j: (j, *zeros))], [w_NC]
         s_specs, s_args = [pl.BlockSpec((rows,), lambda j: (j,))], [scales]
     if scales is None:
         s_specs, s_args = [], []
     else:
         s_args = [s.astype(jnp.float32) for s in s_args]
-    specs, args = [pl.BlockSpec((1, C), lambda j: (0, 0))], [x_MC]
+    if heads is None:
+        specs, args = [pl.BlockSpec((1, C), lambda j: (0, 0))], [x_MC]
+    else:
+        specs, args = x_specs, x_args
     if norm_C is not None:
         specs.append(pl.BlockSpec((C,), lambda j: (0,)))
         args.append(norm_C)
@@ -339,7 +395,8 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
         args.append(residual_MN)
     kernel = functools.partial(
         _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, norm=norm_C is not None,
-        scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None)
+        scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
+        heads=heads)
     return pl.pallas_call(
         kernel, grid=(width // rows,), in_specs=specs,
         out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
@@ -348,12 +405,15 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
         interpret=interpret, name="decode_project")(*args)
 
 
-def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual):
+def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads):
     """One program: `project` for a few output channels, reading their weight rows in as few
     chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
-    on memory once per chunk, not once per loop step of a pipelined tile."""
+    on memory once per chunk, not once per loop step of a pipelined tile. With `heads` (splits,
+    K*G, H, dtype), x_ref and the next two refs are a `SplitHeads`, combined here."""
     refs = list(refs)
     take = lambda n=1: [refs.pop(0) for _ in range(n)]
+    if heads is not None:
+        m_ref, l_ref = take(2)
     g_ref = take()[0] if norm else None
     w_refs = take(2 if swiglu else 1)
     s_refs = take(len(w_refs)) if scaled else [None] * len(w_refs)
@@ -364,7 +424,12 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     rows = w_refs[0].shape[0]
     ys = [jnp.zeros((rows,), f32) for _ in w_refs]
     squares = jnp.zeros((1,), f32)
-    for done in range(0, C, chunk):  # a static loop: C / chunk is small
+    if heads is not None:  # one load of the weights as [rows, K*G, H], against the combined heads
+        x, real = _combined_heads(x_ref, m_ref, l_ref, *heads)
+        w = plt.load(w_refs[0].at[:, pl.ds(0, real.shape[0]), :], mask=real[None, :, None],
+                     other=0).astype(f32)
+        ys = [jnp.sum(jnp.sum(w * x[None], axis=2), axis=1)]
+    for done in range(0, C if heads is None else 0, chunk):  # a static loop: C / chunk is small
         # One chunk covering all of a short row (masked past C); for longer rows the last chunk
         # ends at C, overlapping the one before, its overlap masked.
         at = done if C <= chunk or done + chunk <= C else C - chunk
@@ -392,6 +457,22 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     if residual:
         y = r_ref[0, :].astype(o_ref.dtype) + y
     o_ref[0, :] = y
+
+
+def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
+    """`SplitHeads.combined` of one row as [KG', H] float32 (KG' = KG to a power of two, the
+    padding zero), rounded to the heads' dtype as XLA's combine; and the mask of real rows."""
+    SP, KGp = 1 << (splits - 1).bit_length(), 1 << (KG - 1).bit_length()
+    real = jnp.arange(KGp) < KG
+    seen = (jnp.arange(SP) < splits)[:, None] & real[None, :]
+    m = plt.load(m_ref.at[pl.ds(0, SP), pl.ds(0, KGp)], mask=seen, other=_NEG)
+    l = plt.load(l_ref.at[pl.ds(0, SP), pl.ds(0, KGp)], mask=seen, other=0)
+    acc = plt.load(acc_ref.at[pl.ds(0, SP), pl.ds(0, KGp), pl.ds(0, H)], mask=seen[:, :, None],
+                   other=0)
+    w = jnp.exp(m - jnp.max(m, axis=0, keepdims=True))  # padded splits: exp(-1e30 - m) = 0
+    total = jnp.where(real, jnp.sum(l * w, axis=0), 1.0)  # padded rows: 0 / 1, not 0 / 0
+    combined = jnp.sum(acc * w[:, :, None], axis=0) / total[:, None]
+    return combined.astype(dtype).astype(jnp.float32), real
 
 
 # Residual add and RMSNorm. Between a prefill layer's matrix products XLA ran the residual add,

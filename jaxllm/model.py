@@ -30,17 +30,21 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
-    `fused` marks a decode step taking the Pallas kernel: (start_B, cos_BR, sin_BR, interpret).
+    `fused` marks a decode step taking the Pallas kernel: (start_B, cos_BR, sin_BR, interpret,
+    split_out); with split_out the heads may come back as a `kernels.SplitHeads` for `_project`.
 
     Inside shard_map, K is the device's KV heads.
     """
     G = cfg.q_per_kv
     B, T, K, _, H = qkv_BTKJH.shape
     if fused is not None:  # rotation, cache writes and attention in one kernel
-        start_B, cos_BR, sin_BR, interpret = fused
+        start_B, cos_BR, sin_BR, interpret, split_out = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
             qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, cos_BR, sin_BR, window=window,
-            q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret)
+            q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
+            split_out=split_out)
+        if isinstance(out_BKGH, kernels.SplitHeads):
+            return out_BKGH, (k_cache, v_cache, None, None)
         return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     q_BTNH = qkv_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = qkv_BTKJH[:, :, :, G], qkv_BTKJH[:, :, :, G + 1]
@@ -117,6 +121,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     inv_freq = jnp.asarray(inv_freq)
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
     t_T = jnp.arange(T, dtype=jnp.int32)
+    proj = _project_mode(params, B, T, axis)
     fused = None
     if fresh:
         roll_BT = (t_T[None, :] + cache.start[:, None]) % T
@@ -136,11 +141,10 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         if mode:  # the new token's rotation, once for all layers' kernels
             angles_BR = positions_BT.astype(jnp.float32) * inv_freq
             fused = (cache.start, jnp.cos(angles_BR) * rope_scale, jnp.sin(angles_BR) * rope_scale,
-                     mode == "interpret")
+                     mode == "interpret", proj is not None)  # the o projection combines splits
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
-    proj = _project_mode(params, B, T, axis)
     # In a prefill, residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then
     # x_BTD through the norm that comes next, made by the same pass. Not in decode steps: at
     # batch 32 (8B shape, H200) XLA's own fusions around the products were faster.
@@ -208,15 +212,20 @@ def _project_mode(params: Params, B: int, T: int, axis=None) -> str | None:
 
 
 def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
-    """`kernels.project` of [B, T, C] activations against w [O..., C], or with `swiglu` against
-    gate/up [2, F, C]; returns [B, T, O...] ([B, T, F]). Its kernel runs under `mode` (see
-    `_project_mode`), XLA's form otherwise."""
-    B, T, C = x_BTC.shape
+    """`kernels.project` of [B, T, C] activations (or a decode step's `kernels.SplitHeads`)
+    against w [O..., C], or with `swiglu` against gate/up [2, F, C]; returns [B, T, O...]
+    ([B, T, F]). Its kernel runs under `mode` (see `_project_mode`), XLA's form otherwise."""
+    C = w.shape[-1]
+    if isinstance(x_BTC, kernels.SplitHeads):  # a decode step's heads, one token per row
+        B, T, x_MC = x_BTC.acc.shape[0], 1, x_BTC
+    else:
+        B, T, _ = x_BTC.shape
+        x_MC = x_BTC.reshape(B * T, C)
     swiglu = kw.get("swiglu", False)
     outs = w.shape[1:2] if swiglu else w.shape[:-1]
     w = w if swiglu else w.reshape(-1, C)
     residual_MN = None if residual is None else residual.reshape(B * T, -1)
-    y_MN = kernels.project(x_BTC.reshape(B * T, C), w, residual_MN=residual_MN, mode=mode, **kw)
+    y_MN = kernels.project(x_MC, w, residual_MN=residual_MN, mode=mode, **kw)
     return y_MN.reshape(B, T, *outs)
 
 

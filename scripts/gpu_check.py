@@ -11,8 +11,9 @@
   long caches split over programs, a sliding window, Qwen3's head norms), and decode steps
   through it against XLA's masked form at real model widths;
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
-  int8 weights) against float32 XLA at Qwen3-0.6B and SmolLM2 widths, and batch-1 decode
-  through it;
+  int8 weights; the o projection from uncombined attention splits) against float32 XLA at
+  Qwen3-0.6B and SmolLM2 widths, and batch-1 decode through it (splits combined in the o
+  projection);
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and prefill plus
   batched decode through it against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
@@ -172,6 +173,16 @@ def decode_project():
             want = kernels.project(upcast(a), jax.tree.map(upcast, m32), mode=None,
                                    **jax.tree.map(upcast, arrays), **static)
             check(f"decode project D={D} {name}", rel(got, want), 2e-2)
+
+    for K, G, H, D in [(8, 2, 128, 1024), (3, 3, 64, 576)]:  # o from uncombined attention splits
+        keys = jax.random.split(jax.random.key(K * H), 5)
+        acc = jax.random.normal(keys[0], (1, 6, K, G, H), f32)
+        m, l = jax.random.normal(keys[1], (1, 6, K, G), f32), 1 + jax.random.uniform(keys[2], (1, 6, K, G))
+        wo = jax.random.normal(keys[3], (D, K * G * H), bf16) * (K * G * H) ** -0.5
+        x = jax.random.normal(keys[4], (1, D), bf16)
+        got = kernels.project(kernels.SplitHeads(acc, m, l, dtype=bf16), wo, residual_MN=x, mode="gpu")
+        want = kernels.project(kernels.SplitHeads(acc, m, l, dtype=f32), wo.astype(f32), residual_MN=x.astype(f32))
+        check(f"decode project D={D} o + residual from 6 attention splits", rel(got, want), 2e-2)
 
     for name in ["qwen3-0.6b", "llama3.2-1b"]:  # batch-1 decode through both kernels, against XLA
         cfg, params, tokens, start = _ragged_batch(name, seed=3)

@@ -16,7 +16,7 @@ import jaxllm
 from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm.cache import init_cache
-from jaxllm.quant import QuantizedWeight, quantize_params
+from jaxllm.quant import QuantizedWeight, quantize, quantize_params
 from tiny_models import random_tokens, rel_err
 
 
@@ -162,6 +162,51 @@ def test_project_kernel_equals_xla(monkeypatch, chunk):
         assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, name
 
 
+def _split_heads(splits, K=3, G=3, H=16, seed=0):
+    """Random `SplitHeads` of one row, as the attention kernel leaves them (every split but the
+    last saw some slots; the last none: maximum -1e30, sums 0)."""
+    key = jax.random.key(seed)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    acc, m, l = r(0, (1, splits, K, G, H)), r(1, (1, splits, K, G)), 1 + jnp.abs(r(2, (1, splits, K, G)))
+    empty = jnp.arange(splits)[None, :, None, None] == splits - 1
+    acc = jnp.where(empty[..., None], 0.0, acc)
+    return kernels.SplitHeads(acc, jnp.where(empty, kernels._NEG, m), jnp.where(empty, 0.0, l),
+                              dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("splits, int8", [(2, False), (3, False), (8, False), (3, True)])
+def test_project_kernel_combines_split_heads(splits, int8):
+    """The o projection from uncombined attention splits equals it from XLA's combine: K*G = 9
+    rows of heads padded to 16 in the kernel, splits padded to a power of two."""
+    heads = _split_heads(splits)
+    key = jax.random.key(splits)
+    w, b, res = (jax.random.normal(jax.random.fold_in(key, i), shape) for i, shape in
+                 enumerate([(40, 144), (40,), (1, 40)]))
+    if int8:
+        w = quantize(w)
+    out = kernels.project(heads, w, bias_N=b, residual_MN=res, mode="interpret")
+    ref = kernels.project(heads.combined().reshape(1, 144), w, bias_N=b, residual_MN=res, mode=None)
+    assert out.shape == ref.shape == (1, 40)
+    assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
+    xla = kernels.project(heads, w, bias_N=b, residual_MN=res, mode=None)  # combined by XLA
+    np.testing.assert_array_equal(np.asarray(xla), np.asarray(ref))
+
+
+def test_split_heads_too_large_for_registers_are_combined_by_xla(monkeypatch):
+    calls = []
+    real = kernels._project_kernel_call
+    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    heads, w = _split_heads(3), jnp.ones((8, 144))
+    assert kernels._heads_values(heads) == 4 * 16 * 16
+    kernels.project(heads, w, mode="interpret")
+    assert len(calls) == 1
+    monkeypatch.setattr(kernels, "FUSED_HEADS_VALUES", 4 * 16 * 16 - 1)
+    out = kernels.project(heads, w, mode="interpret")
+    assert len(calls) == 1  # the kernel ran no more: XLA combined the splits and projected
+    ref = kernels.project(heads.combined().reshape(1, 144), w, mode=None)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
 def test_project_mode_rules(monkeypatch):
     assert kernels.DECODE_PROJECT == "auto"
     assert kernels.decode_project_mode(jnp.float32, 1) is None
@@ -186,12 +231,19 @@ def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
-def test_decode_through_both_kernels_matches_the_full_forward(kernel_mode, project_mode, tiny,
-                                                              name):
+def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kernel_mode,
+                                                              project_mode, tiny, name):
     """qkv bias, o bias, Qwen3's norms and a tied lm_head, sliding windows: every fused form.
-    One row: the projection kernel takes batch 1 only."""
+    One row: the projection kernel takes batch 1 only. The 32-slot cache splits 4 ways (blocks of
+    8 slots, splits of 8), so the o projection combines the attention's splits."""
     assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
+    monkeypatch.setattr(kernels, "BLOCK_SLOTS", 8)
+    monkeypatch.setattr(kernels, "SPLIT_SLOTS", 16)
+    combined = []
+    real = kernels._combined_heads
+    monkeypatch.setattr(kernels, "_combined_heads", lambda *a: combined.append(a[3]) or real(*a))
     _decode_matches_forward(tiny(name), rows=1)
+    assert combined and set(combined) == {4}  # traced with 4 splits
 
 
 def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny):
