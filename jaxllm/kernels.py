@@ -80,8 +80,9 @@ def _block(length: int) -> int:
 # program holds all splits' sums in registers. So only where those are at most this many values
 # (splits and K*G, each to a power of two, times H): SmolLM2 (6 splits, 8 x 16 x 64) ran 0.538
 # ms a step against 0.553 with XLA's combine; at 8 x 16 x 128 Qwen3-0.6B lost (0.742 against
-# 0.725), at 8 x 32 x 64 Llama-3.2-1B more (0.936 against 0.865). JAXLLM_FUSED_HEADS overrides
-# it for benchmarking (0: always XLA's combine).
+# 0.725), at 8 x 32 x 64 Llama-3.2-1B more (0.936 against 0.865); with 8 warps for those tiles
+# Qwen3-0.6B broke even (0.736 against 0.744) and Llama-3.2-1B still lost (0.913 against 0.863).
+# JAXLLM_FUSED_HEADS overrides the limit for benchmarking (0: always XLA's combine).
 FUSED_HEADS_VALUES = int(os.environ.get("JAXLLM_FUSED_HEADS", "8192"))
 
 
