@@ -53,14 +53,23 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool,
     that is a multiple of 16 (its blocks of slots are tensor-core dot operands; `generate`'s
     bucketed lengths always are, a hand-made cache may not be).
     """
-    if DECODE_ATTENTION == "xla" or kv_int8 or rotary_dim != head_dim or cache_length % 16:
+    if kv_int8 or rotary_dim != head_dim or cache_length % 16:
         return None
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1) or head_dim < 16:
         return None
-    if DECODE_ATTENTION == "interpret":
-        return "interpret"
-    if (L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-            or head_dim < 32):  # bf16 tensor-core dots (Ampere on), contracting at least 16 (half a head)
+    mode = _mode(DECODE_ATTENTION, dtype)
+    if mode == "gpu" and head_dim < 32:  # tensor-core dots contract at least 16 (half a head)
+        return None
+    return mode
+
+
+def _mode(switch: str, dtype) -> str | None:
+    """A kernel's mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu" for a
+    float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's form;
+    float32 models keep XLA's exact arithmetic)."""
+    if switch in ("xla", "interpret"):
+        return None if switch == "xla" else "interpret"
+    if L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return None
     return "gpu"
 
@@ -285,13 +294,7 @@ def decode_project_mode(dtype, rows: int) -> str | None:
     The kernel computes one row (batch 1) and, on a GPU, wants a float16/bfloat16 model; float32
     models keep XLA's exact form.
     """
-    if DECODE_PROJECT == "xla" or rows != 1:
-        return None
-    if DECODE_PROJECT == "interpret":
-        return "interpret"
-    if L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return None
-    return "gpu"
+    return _mode(DECODE_PROJECT, dtype) if rows == 1 else None
 
 
 def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
@@ -495,13 +498,7 @@ ADD_NORM_ROWS, ADD_NORM_WARPS = (
 def add_norm_mode(dtype) -> str | None:
     """"gpu", "interpret" or None (XLA): whether `add_norm` takes its kernel (float16/bfloat16
     models on a GPU; float32 ones keep XLA's exact form)."""
-    if ADD_NORM == "xla":
-        return None
-    if ADD_NORM == "interpret":
-        return "interpret"
-    if L.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return None
-    return "gpu"
+    return _mode(ADD_NORM, dtype)
 
 
 def add_norm(x_MC, delta_MC, norm_C, eps: float, *, mode: str | None = None):
