@@ -14,8 +14,8 @@
   int8 weights; the o projection from uncombined attention splits) against float32 XLA at
   Qwen3-0.6B and SmolLM2 widths, and batch-1 decode through it (splits combined in the o
   projection);
-- `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and prefill plus
-  batched decode through it against XLA;
+- `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
+  through it (then decode steps reading its cache) against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
@@ -194,7 +194,7 @@ def decode_project():
 
 def add_norm():
     bf16, f32 = jnp.bfloat16, jnp.float32
-    for M, C in [(2048, 4096), (32, 4096), (3, 576), (5, 896)]:  # prefill, batch 32, odd widths
+    for M, C in [(2048, 4096), (32, 4096), (3, 576), (5, 896)]:  # long, short prompts; odd widths
         keys = jax.random.split(jax.random.key(M + C), 3)
         x, delta = (jax.random.normal(k, (M, C), bf16) for k in keys[:2])
         g = 1 + 0.1 * jax.random.normal(keys[2], (C,), bf16)
@@ -202,7 +202,7 @@ def add_norm():
         want = kernels.add_norm(x.astype(f32), delta.astype(f32), g.astype(f32), 1e-5)
         check(f"add_norm {M}x{C}, sum", rel(got[0], want[0]), 1e-2)
         check(f"add_norm {M}x{C}, normed", rel(got[1], want[1]), 2e-2)
-    for name in ["qwen3-0.6b", "llama3.2-1b"]:  # prefill and batch-3 decode through the kernel
+    for name in ["qwen3-0.6b", "llama3.2-1b"]:  # a ragged prefill through the kernel, then decode
         outs = _decode_both_ways(*_ragged_batch(name, seed=4), ["ADD_NORM"])
         check(f"{name} prefill + decode via add_norm vs XLA, logits",
               rel(outs["auto"][0], outs["xla"][0]), 3e-2)

@@ -264,13 +264,16 @@ def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
-@pytest.mark.parametrize("dtype, C", [(jnp.float32, 80), (jnp.float32, 64), (jnp.bfloat16, 80)])
-def test_add_norm_kernel_equals_xla(dtype, C):
+@pytest.mark.parametrize("dtype, C, M, rows", [(jnp.float32, 80, 5, 1), (jnp.float32, 64, 5, 1),
+                                                (jnp.bfloat16, 80, 5, 1), (jnp.float32, 80, 12, 4)])
+def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
     """The residual sum exactly (one rounding, as XLA's add), the normed sum to the dtype's last
-    bit at most: C = 80 is a masked tile of 128, 64 a whole one."""
+    bit at most: C = 80 is a masked tile of 128, 64 a whole one; rows: a program's rows."""
+    monkeypatch.setattr(kernels, "ADD_NORM_ROWS", rows)
+    jax.clear_caches()  # read when the kernel traces
     key = jax.random.key(C)
     r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
-    x, delta, g = (r(0, (5, C)) * 3).astype(dtype), r(1, (5, C)).astype(dtype), 1 + r(2, (C,)) / 4
+    x, delta, g = (r(0, (M, C)) * 3).astype(dtype), r(1, (M, C)).astype(dtype), 1 + r(2, (C,)) / 4
     g = g.astype(dtype)
     total, normed = kernels.add_norm(x, delta, g, 1e-5, mode="interpret")
     ref_total, ref_normed = kernels.add_norm(x, delta, g, 1e-5, mode=None)
