@@ -141,7 +141,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         if mode:  # the new token's rotation, once for all layers' kernels
             angles_BR = positions_BT.astype(jnp.float32) * inv_freq
             fused = (cache.start, jnp.cos(angles_BR) * rope_scale, jnp.sin(angles_BR) * rope_scale,
-                     mode == "interpret", proj is not None)  # the o projection combines splits
+                     mode == "interpret", proj is not None)  # o's kernel may combine splits
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
