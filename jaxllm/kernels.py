@@ -79,6 +79,11 @@ def _multiprocessors() -> int:
     return getattr(jax.devices()[0], "core_count", None) or MULTIPROCESSORS
 
 
+def _pow2(n: int) -> int:
+    """The least power of two >= n: a Triton tile's extent, its excess masked."""
+    return 1 << (n - 1).bit_length()
+
+
 def _block(length: int) -> int:
     return min(BLOCK_SLOTS, length & -length)
 
@@ -130,7 +135,7 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     B, K, J, H = qkv_BKJH.shape
     S = k_BKSH.shape[2]
     G, R = J - 2, H // 2
-    rows = max(QUERY_ROWS, 1 << (G - 1).bit_length())
+    rows = max(QUERY_ROWS, _pow2(G))
     block = _block(S)
     cdiv = lambda a, b: -(-a // b)
     slots = SPLIT_SLOTS if B * K * cdiv(S, SPLIT_SLOTS) >= _multiprocessors() else SPLIT_SLOTS // 2
@@ -316,7 +321,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     else:
         M, C = x_MC.shape
         out_dtype = out_dtype or x_MC.dtype
-    padded = 1 << (C - 1).bit_length()
+    padded = _pow2(C)
     large = math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
     fused = heads is None or (norm_C is None and not swiglu
                               and _heads_values(heads) <= FUSED_HEADS_VALUES)
@@ -336,7 +341,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
 def _heads_values(heads: SplitHeads) -> int:
     """The values of a `SplitHeads` row as the kernel holds them: splits and K*G to powers of two."""
     _, P, K, G, H = heads.acc.shape
-    return (1 << (P - 1).bit_length()) * (1 << (K * G - 1).bit_length()) * H
+    return _pow2(P) * _pow2(K * G) * H
 
 
 def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype):
@@ -466,7 +471,7 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
 def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
     """`SplitHeads.combined` of one row as [KG', H] float32 (KG' = KG to a power of two, the
     padding zero), rounded to the heads' dtype as XLA's combine; and the mask of real rows."""
-    SP, KGp = 1 << (splits - 1).bit_length(), 1 << (KG - 1).bit_length()
+    SP, KGp = _pow2(splits), _pow2(KG)
     real = jnp.arange(KGp) < KG
     seen = (jnp.arange(SP) < splits)[:, None] & real[None, :]
     m = plt.load(m_ref.at[pl.ds(0, SP), pl.ds(0, KGp)], mask=seen, other=_NEG)
@@ -514,7 +519,7 @@ def add_norm(x_MC, delta_MC, norm_C, eps: float, *, mode: str | None = None):
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret):
     M, C = x_MC.shape
-    P = 1 << (C - 1).bit_length()  # the row's power-of-two tile, masked past C
+    P = _pow2(C)  # the row's tile, masked past C
     rows = min(ADD_NORM_ROWS, M & -M)
     block = pl.BlockSpec((rows, C), lambda i: (i, 0))
     normed_dtype = jnp.result_type(norm_C.dtype, x_MC.dtype)

@@ -65,6 +65,13 @@ def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S
     np.testing.assert_array_equal(v, ref_v)
 
 
+def _spy(monkeypatch, name: str, record=lambda *args: 1) -> list:
+    """Wrap kernels.`name` so each call (each trace, for jitted callers) appends record(*args)."""
+    calls, real = [], getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
+    return calls
+
+
 def _interpreted(monkeypatch, switch: str):
     """Decode steps take the kernel behind `switch`, interpreted; jit caches cleared around it."""
     jax.clear_caches()
@@ -193,9 +200,7 @@ def test_project_kernel_combines_split_heads(splits, int8):
 
 
 def test_split_heads_too_large_for_registers_are_combined_by_xla(monkeypatch):
-    calls = []
-    real = kernels._project_kernel_call
-    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _spy(monkeypatch, "_project_kernel_call")
     heads, w = _split_heads(3), jnp.ones((8, 144))
     assert kernels._heads_values(heads) == 4 * 16 * 16
     kernels.project(heads, w, mode="interpret")
@@ -218,9 +223,7 @@ def test_project_mode_rules(monkeypatch):
 
 def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
     """The kernel only where it measured faster: one row, at most KERNEL_MAX_WEIGHTS weights."""
-    calls = []
-    real = kernels._project_kernel_call
-    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _spy(monkeypatch, "_project_kernel_call")
     x, w = jnp.ones((1, 64)), jnp.ones((32, 64))
     kernels.project(x, w, mode="interpret")
     assert len(calls) == 1
@@ -239,9 +242,7 @@ def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kerne
     assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
     monkeypatch.setattr(kernels, "BLOCK_SLOTS", 8)
     monkeypatch.setattr(kernels, "SPLIT_SLOTS", 16)
-    combined = []
-    real = kernels._combined_heads
-    monkeypatch.setattr(kernels, "_combined_heads", lambda *a: combined.append(a[3]) or real(*a))
+    combined = _spy(monkeypatch, "_combined_heads", lambda *a: a[3])  # the splits
     _decode_matches_forward(tiny(name), rows=1)
     assert combined and set(combined) == {4}  # traced with 4 splits
 
@@ -295,9 +296,8 @@ def test_add_norm_mode_rules(monkeypatch):
 def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, name):
     """The prefill pairs its residual adds with the next norm in the kernel, and the decode steps
     after it (on XLA) read the cache it wrote; the reference forward runs on XLA."""
-    m, calls = tiny(name), []
-    real = kernels._add_norm_call
-    monkeypatch.setattr(kernels, "_add_norm_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = tiny(name)
+    calls = _spy(monkeypatch, "_add_norm_call")
 
     @contextlib.contextmanager
     def kernels_on():
