@@ -104,7 +104,8 @@ def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD, axis=None):
 
 
 def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
-    """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, new cache).
+    """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, normed_BTD, new
+    cache): normed_BTD is x_BTD through the final norm where a kernel made it, else None.
 
     `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
     `fresh`: the caller guarantees the cache is empty (cursor 0), so the tokens attend only among
@@ -145,14 +146,24 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
-    # In a prefill, residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then
-    # x_BTD through the norm that comes next, made by the same pass. Not in decode steps: at
-    # batch 32 (8B shape, H200) XLA's own fusions around the products were faster.
-    fuse = None if T == 1 or axis is not None else kernels.add_norm_mode(params.dtype)
+    # Residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then x_BTD through
+    # the norm that comes next, made by the same pass. In a prefill always; in a decode step
+    # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
+    # norm in itself); at batch 32 XLA's own fusions were faster (see kernels.ADD_NORM).
+    fuse = None if axis is not None or (T == 1 and proj is None) else \
+        kernels.add_norm_mode(params.dtype)
     normed_BTD = None
     eps = cfg.rms_norm_eps
     new_kv = []
+    head_VD = params.embed if params.lm_head is None else params.lm_head
     for i, layer in enumerate(params.layers):
+        # What the residual stream feeds next: the next layer's qkv, or after the last layer the
+        # lm_head (in a decode step; a prefill's final norm takes its last position only).
+        if i + 1 < len(params.layers):
+            nxt = params.layers[i + 1]
+            next_norm, next_w, next_bias = nxt.attn_norm, nxt.wqkv, nxt.bqkv is not None
+        else:
+            next_norm, next_w, next_bias = params.final_norm if T == 1 else None, head_VD, False
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 window = cfg.sliding_window if cfg.is_sliding(i) else None
@@ -167,32 +178,41 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                 heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv,
                                                  cache.cursor, masks[window], inv_freq,
                                                  rope_scale, window, unroll_BT, fused)
+                ffn_kernel = proj and not cfg.is_moe(i) and kernels.project_takes(
+                    layer.w_gate_up, proj, swiglu=True)
                 if proj:
                     wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
-                    x_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo, residual=x_BTD)
+                    if ffn_kernel:  # which folds the norm in: the residual add goes into o's
+                        x_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo, residual=x_BTD)
+                    else:
+                        out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo)
+                        x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
                 else:
                     out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
                     x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
-                if proj and not cfg.is_moe(i):
+                if ffn_kernel:
                     act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm,
                                        eps=eps, swiglu=True)
-                    x_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD)
+                    if kernels.project_takes(next_w, proj, biased=next_bias):  # folds next_norm in
+                        x_BTD, normed_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD), None
+                    else:
+                        out_BTD = _project(proj, act_BTF, layer.w_down)
+                        x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, next_norm, eps)
                 else:
                     if normed_BTD is None:
                         normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)
                     out_BTD = _ffn_block(cfg, i, layer, normed_BTD, axis)
-                    following = (params.layers[i + 1].attn_norm if i + 1 < len(params.layers)
-                                 else None)  # the last layer's goes through the final norm
-                    x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, following, eps)
+                    x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, next_norm, eps)
         new_kv.append(kv)
     if fresh:
-        x_BTD = jnp.take_along_axis(x_BTD, unroll_BT[:, :, None], axis=1)
+        x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
+                             for a in (x_BTD, normed_BTD))
     k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
     cache = cache.replace(k=k, v=v, cursor=cache.cursor + T,
                           k_scale=None if cache.k_scale is None else k_scale,
                           v_scale=None if cache.v_scale is None else v_scale)
-    return x_BTD, cache
+    return x_BTD, normed_BTD, cache
 
 
 def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float):
@@ -229,17 +249,20 @@ def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
     return y_MN.reshape(B, T, *outs)
 
 
-def logits(params: Params, x_BTD, proj: str | None = None):
-    """Final norm and output projection; float32 logits [B, T, V]. `proj`: see `_project_mode`."""
+def logits(params: Params, x_BTD, proj: str | None = None, normed_BTD=None):
+    """Final norm and output projection; float32 logits [B, T, V]. `proj`: see `_project_mode`;
+    `normed_BTD`: x_BTD already through the final norm (see `_hidden`)."""
     with jax.named_scope("lm_head"):
         head_VD = params.embed if params.lm_head is None else params.lm_head
+        if normed_BTD is not None:
+            return _project(proj, normed_BTD, head_VD, out_dtype=jnp.float32)
         return _project(proj, x_BTD, head_VD, norm_C=params.final_norm,
                         eps=params.config.rms_norm_eps, out_dtype=jnp.float32)
 
 
 def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
-    x_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh=True)
-    return logits(params, x_BTD), cache
+    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh=True)
+    return logits(params, x_BTD, normed_BTD=normed_BTD), cache
 
 
 @jax.jit
@@ -252,9 +275,10 @@ def _forward(params: Params, tokens_BT):
 
 
 def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
-    x_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh)
+    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh)
     proj = _project_mode(params, *tokens_BT.shape, axis)
-    return logits(params, x_BTD[:, -1:], proj)[:, 0], cache
+    normed_BTD = None if normed_BTD is None else normed_BTD[:, -1:]
+    return logits(params, x_BTD[:, -1:], proj, normed_BTD)[:, 0], cache
 
 
 def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False):

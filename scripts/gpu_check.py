@@ -184,7 +184,9 @@ def decode_project():
         want = kernels.project(kernels.SplitHeads(acc, m, l, dtype=f32), wo.astype(f32), residual_MN=x.astype(f32))
         check(f"decode project D={D} o + residual from 6 attention splits", rel(got, want), 2e-2)
 
-    for name in ["qwen3-0.6b", "llama3.2-1b"]:  # batch-1 decode through both kernels, against XLA
+    # Batch-1 decode through both kernels, against XLA; Llama-3.2-1B's FFN and the 8B shape's
+    # matrices are too large for project's kernel: their norms go through add_norm's.
+    for name in ["qwen3-0.6b", "llama3.2-1b", "llama3-8b"]:
         cfg, params, tokens, start = _ragged_batch(name, seed=3)
         outs = _decode_both_ways(cfg, params, tokens[1:2], start[1:2],
                                  ["DECODE_ATTENTION", "DECODE_PROJECT"])

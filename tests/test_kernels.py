@@ -308,3 +308,23 @@ def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, na
     _decode_matches_forward(m, kernels_on=kernels_on)
     layers = m.params.config.num_layers
     assert len(calls) == 2 * layers - 1  # the prefill traced: 2 a layer, the last layer 1
+
+
+@pytest.mark.parametrize("name, limit, decode_calls", [
+    ("llama_bias", 8191, 4),  # qkv and gate/up on XLA: o and down add and norm in the kernel
+    ("qwen3", 12288, 2),  # gate/up in project's kernel (norm folded in), qkv on XLA after down
+])  # and the final norm, before a lm_head of VOCAB x 64 > limit
+def test_batch_1_decode_through_add_norm_matches_the_full_forward(monkeypatch, project_mode, tiny,
+                                                                   name, limit, decode_calls):
+    """At batch 1 a residual add and the norm after it share `add_norm`'s kernel where the matrix
+    the norm feeds is too large for `project`'s kernel; `limit` makes some of the tiny ones so."""
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", limit)
+    rows = _spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
+
+    @contextlib.contextmanager
+    def kernels_on():
+        with pytest.MonkeyPatch.context() as patch:
+            yield from _interpreted(patch, "ADD_NORM")
+
+    _decode_matches_forward(tiny(name), rows=1, kernels_on=kernels_on)
+    assert rows.count(1) == decode_calls  # the decode step traced (the prefill's rows are 8)
