@@ -180,30 +180,28 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                                                  rope_scale, window, unroll_BT, fused)
                 ffn_kernel = proj and not cfg.is_moe(i) and kernels.project_takes(
                     layer.w_gate_up, proj, swiglu=True)
-                if proj:
-                    wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
-                    if ffn_kernel:  # which folds the norm in: the residual add goes into o's
-                        x_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo, residual=x_BTD)
-                    else:
-                        out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo)
-                        x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
+                if proj:  # with the FFN in project's kernel (which folds the norm in), o's
+                    wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)  # kernel adds the residual
+                    out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
+                                       residual=x_BTD if ffn_kernel else None)
                 else:
                     out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
-                    x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
+                x_BTD, normed_BTD = (out_BTD, None) if ffn_kernel else \
+                    _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
             with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
+                folds = ffn_kernel and kernels.project_takes(next_w, proj, biased=next_bias)
                 if ffn_kernel:
                     act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm,
                                        eps=eps, swiglu=True)
-                    if kernels.project_takes(next_w, proj, biased=next_bias):  # folds next_norm in
-                        x_BTD, normed_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD), None
-                    else:
-                        out_BTD = _project(proj, act_BTF, layer.w_down)
-                        x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, next_norm, eps)
+                    out_BTD = _project(proj, act_BTF, layer.w_down,
+                                       residual=x_BTD if folds else None)
                 else:
                     if normed_BTD is None:
                         normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)
                     out_BTD = _ffn_block(cfg, i, layer, normed_BTD, axis)
-                    x_BTD, normed_BTD = _add_norm(fuse, x_BTD, out_BTD, next_norm, eps)
+                # folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
+                x_BTD, normed_BTD = (out_BTD, None) if folds else \
+                    _add_norm(fuse, x_BTD, out_BTD, next_norm, eps)
         new_kv.append(kv)
     if fresh:
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
