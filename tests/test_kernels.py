@@ -17,6 +17,7 @@ from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm.cache import init_cache
 from jaxllm.quant import QuantizedWeight, quantize, quantize_params
+from kernel_modes import decode_per_mode, spy
 from tiny_models import random_tokens, rel_err
 
 
@@ -63,13 +64,6 @@ def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
     np.testing.assert_allclose(k, ref_k, atol=1e-6)  # the rotated key, written at the cursor only
     np.testing.assert_array_equal(v, ref_v)
-
-
-def _spy(monkeypatch, name: str, record=lambda *args: 1) -> list:
-    """Wrap kernels.`name` so each call (each trace, for jitted callers) appends record(*args)."""
-    calls, real = [], getattr(kernels, name)
-    monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
-    return calls
 
 
 def _interpreted(monkeypatch, switch: str):
@@ -200,7 +194,7 @@ def test_project_kernel_combines_split_heads(splits, int8):
 
 
 def test_split_heads_too_large_for_registers_are_combined_by_xla(monkeypatch):
-    calls = _spy(monkeypatch, "_project_kernel_call")
+    calls = spy(monkeypatch, "_project_kernel_call")
     heads, w = _split_heads(3), jnp.ones((8, 144))
     assert kernels._heads_values(heads) == 4 * 16 * 16
     kernels.project(heads, w, mode="interpret")
@@ -223,7 +217,7 @@ def test_project_mode_rules(monkeypatch):
 
 def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
     """The kernel only where it measured faster: one row, at most KERNEL_MAX_WEIGHTS weights."""
-    calls = _spy(monkeypatch, "_project_kernel_call")
+    calls = spy(monkeypatch, "_project_kernel_call")
     x, w = jnp.ones((1, 64)), jnp.ones((32, 64))
     kernels.project(x, w, mode="interpret")
     assert len(calls) == 1
@@ -242,26 +236,14 @@ def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kerne
     assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
     monkeypatch.setattr(kernels, "BLOCK_SLOTS", 8)
     monkeypatch.setattr(kernels, "SPLIT_SLOTS", 16)
-    combined = _spy(monkeypatch, "_combined_heads", lambda *a: a[3])  # the splits
+    combined = spy(monkeypatch, "_combined_heads", lambda *a: a[3])  # the splits
     _decode_matches_forward(tiny(name), rows=1)
     assert combined and set(combined) == {4}  # traced with 4 splits
 
 
 def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny):
     params = quantize_params(tiny("llama_tied").params)  # the tied table, quantized, is the lm_head
-    ids = random_tokens((1, 6), seed=4)
-    runs = []
-    for mode in ("xla", "interpret"):
-        jax.clear_caches()
-        monkeypatch.setattr(kernels, "DECODE_PROJECT", mode)
-        cache = init_cache(params.config, 1, 16, jnp.float32)
-        _, cache = jaxllm.prefill(params, ids[:, :4], cache)
-        steps = []
-        for t in range(4, 6):
-            logits, cache = jaxllm.decode_step(params, ids[:, t], cache)
-            steps.append(np.asarray(logits))
-        runs.append(np.stack(steps))
-    jax.clear_caches()
+    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4, ["DECODE_PROJECT"])
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
@@ -297,7 +279,7 @@ def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, na
     """The prefill pairs its residual adds with the next norm in the kernel, and the decode steps
     after it (on XLA) read the cache it wrote; the reference forward runs on XLA."""
     m = tiny(name)
-    calls = _spy(monkeypatch, "_add_norm_call")
+    calls = spy(monkeypatch, "_add_norm_call")
 
     @contextlib.contextmanager
     def kernels_on():
@@ -319,7 +301,7 @@ def test_batch_1_decode_through_add_norm_matches_the_full_forward(monkeypatch, p
     """At batch 1 a residual add and the norm after it share `add_norm`'s kernel where the matrix
     the norm feeds is too large for `project`'s kernel; `limit` makes some of the tiny ones so."""
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", limit)
-    rows = _spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
+    rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
 
     @contextlib.contextmanager
     def kernels_on():

@@ -26,6 +26,7 @@ import transformers
 import jaxllm
 from jaxllm import layers as L
 from jaxllm.config import ModelConfig, RopeConfig
+from kernel_modes import decode_per_mode, spy
 from tiny_models import rel_err
 from jaxllm.params import abstract_params
 
@@ -387,33 +388,17 @@ def test_expert_parallel_matches_single_device():
     assert proc.returncode == 0 and "expert parallel ok" in proc.stdout, proc.stdout + proc.stderr
 
 
-if __name__ == "__main__":
-    _expert_parallel_main()
-
-
 def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch):
     """A batch-1 decode step of a MoE model: o in project's kernel without its residual, then the
     add with the expert layer's norm in add_norm's kernel (the experts stay on XLA), and the same
     after the expert layer; interpreted, against XLA's forms."""
-    from jaxllm import kernels
-    from jaxllm.cache import init_cache
     params = moe_model("mixtral").params
     ids = np.random.default_rng(5).integers(3, params.config.vocab_size, (1, 7)).astype(np.int32)
-    rows, real = [], kernels._add_norm_call
-    monkeypatch.setattr(kernels, "_add_norm_call",
-                        lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
-    runs = []
-    for mode in ("xla", "interpret"):
-        jax.clear_caches()
-        for switch in ("DECODE_PROJECT", "ADD_NORM"):
-            monkeypatch.setattr(kernels, switch, mode)
-        cache = init_cache(params.config, 1, 16, jnp.float32)
-        _, cache = jaxllm.prefill(params, ids[:, :4], cache)
-        steps = []
-        for t in range(4, 7):
-            logits, cache = jaxllm.decode_step(params, ids[:, t], cache)
-            steps.append(np.asarray(logits))
-        runs.append(np.stack(steps))
-    jax.clear_caches()
+    rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
+    runs = decode_per_mode(monkeypatch, params, ids, 4, ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     assert rows.count(1) == 2 * params.config.num_layers  # the decode step traced: 2 a layer
+
+
+if __name__ == "__main__":
+    _expert_parallel_main()
