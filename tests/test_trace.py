@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import os
 import subprocess
@@ -15,8 +16,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxllm
-from jaxllm.trace import RecompileWarning, summarize, trace, trace_steady
+from jaxllm.trace import RecompileWarning, kernel_view, summarize, trace, trace_steady
 from compile_counting import compilations
+
+gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
 
 
 
@@ -239,3 +242,16 @@ def test_unwritable_cache_dir_means_no_cache_not_an_error(tmp_path):
     done = run_forward({"JAXLLM_CACHE": str(blocker / "sub")})  # cannot be created, even as root
     assert "CACHE_DIR None" in done.stdout
     assert "Warning" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_loops_on_the_host_while_a_trace_needs_its_kernels(monkeypatch):
+    """A profiler shows no kernel of a loop recorded as one CUDA graph: under `kernel_view` (which
+    `trace` and `trace_steady` open) generate compiles its loop the default way."""
+    monkeypatch.delenv("JAXLLM_LOOP_GRAPH", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert gen._core() is gen._generate_core
+    with kernel_view():
+        assert gen._core() is gen._generate_core_host_loop
+    assert gen._core() is gen._generate_core
+    monkeypatch.setenv("JAXLLM_LOOP_GRAPH", "0")
+    assert gen._core() is gen._generate_core_host_loop
