@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxllm
 from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm import model
@@ -230,13 +231,34 @@ def moe():
             L.GROUPED_GEMM = "auto"
 
 
+def generate_loop():
+    """generate's on-device loop (one CUDA graph, conditional nodes included) stops each row at its
+    own stop id: the tokens before it as in a run without stop ids, the length, padding after."""
+    cfg = PRESETS["smollm2-135m"]
+    params = random_params(cfg, 0, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (20, 33, 7)]
+    free = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
+    first = lambda row, at: next((int(t) for n, t in enumerate(row) if n >= at and t not in row[:n]), -1)
+    stops = [first(free[0], 5), first(free[1], 15)]  # ids that first come late in a row
+    out = jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=stops)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    for b in range(len(ids)):
+        hits = [n for n in range(40) if free[b, n] in stops]
+        want = hits[0] + 1 if hits else 40
+        n = int(lengths[b])
+        ok = n == want and (tokens[b, :n] == free[b, :n]).all() and (tokens[b, n:] == cfg.pad_id).all()
+        check(f"generate row {b} stops at its stop id (length {n}, wanted {want}; 1 = wrong)",
+              float(not ok), 0)
+
+
 if __name__ == "__main__":
     if jax.default_backend() != "gpu":
         print("gpu_check: no GPU here; these paths run only on one", file=sys.stderr)
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     sections = {f.__name__: f for f in (decode_project, decode_attention, add_norm, attention,
-                                          fresh_prefill, moe)}
+                                          fresh_prefill, generate_loop, moe)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))
