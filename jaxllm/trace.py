@@ -364,8 +364,9 @@ def _attribute(timed: list[tuple[dict, float]], modules: dict[str, list["_Module
 
 
 def _kernel_class(kernel: str) -> str:
-    """'loop_convert_fusion_4' -> 'loop_convert_fusion': kernels are named after their fusion."""
-    return re.sub(r"_\d+$", "", kernel)
+    """'loop_convert_fusion_4' -> 'loop_convert_fusion': kernels are named after their fusion
+    (a Pallas kernel after its pallas_call's name: 'decode_project__2' -> 'decode_project')."""
+    return re.sub(r"_+\d+$", "", kernel)
 
 
 def _instr_class(name: str) -> str:
@@ -385,6 +386,7 @@ class _Module:
         self.schedules = [[n for n in seq if instrs.get(n, ("", ""))[1] not in _NO_KERNEL]
                           for seq in schedules]
         self._kernels = {_SANITIZE.sub("_", n): n for n in instrs}
+        self._classes = {n: self._class(n) for n in instrs}
         self._aligned: dict[tuple[str, ...], tuple[int, list[str | None] | None]] = {}
 
     def scope(self, op: str) -> str:
@@ -392,6 +394,15 @@ class _Module:
 
     def opcode(self, op: str) -> str:
         return self.instrs.get(op, ("", ""))[1]
+
+    def _class(self, op: str) -> str:
+        """The kernel class of instruction `op`: its name without the number, or for a Pallas
+        call (`pallas_call.12`, scope '.../decode_project/pallas_call') the kernel's name."""
+        scope, opcode = self.instrs[op]
+        parts = scope.split("/")
+        if opcode == "custom-call" and len(parts) > 1 and parts[-1] == "pallas_call":
+            return _SANITIZE.sub("_", parts[-2])
+        return _instr_class(op)
 
     def by_kernel_name(self, kernel: str) -> str | None:
         return self._kernels.get(kernel)
@@ -406,13 +417,13 @@ class _Module:
         if kernels in self._aligned:
             return self._aligned[kernels]
         classes = [_kernel_class(k) for k in kernels]
-        known = {_instr_class(n) for n in self.instrs}
+        known = set(self._classes.values())
         matchable = sum(c in known for c in classes)
         best: tuple[int, list | None] = (0, None)
         tied = False
         anchor = next((i for i, c in enumerate(classes) if c in known), None)
         for seq in self.schedules if anchor is not None else []:
-            seq_classes = [_instr_class(n) for n in seq]
+            seq_classes = [self._classes.get(n) or _instr_class(n) for n in seq]
             for start in range(len(seq)):
                 if seq_classes[start] != classes[anchor]:
                     continue

@@ -131,6 +131,25 @@ def test_kernels_replayed_from_a_command_buffer_get_their_own_layer():
         (module, "loop_add_fusion.1"): 8 * us, (module, "input_reduce_fusion.1"): 10 * us})
 
 
+def test_pallas_kernels_in_a_command_buffer_get_their_own_layer():
+    # As recorded on a GPU: a Pallas kernel is named after its pallas_call (XLA numbers distinct
+    # compilations of one name, 'decode_project__1'), its instruction 'pallas_call.N' in the scope
+    # '.../decode_project/pallas_call'; one compiled kernel serves every layer.
+    from jaxllm.trace import _attribute, _Module
+    names = ["decode_project", "decode_attention", "decode_project"]
+    blocks = ["attention", "attention", "mlp"]
+    scopes = {f"pallas_call.{3 * layer + j}": f"decode/layer_{layer}/{blocks[j]}/{names[j]}/pallas_call"
+              for layer in range(2) for j in range(3)}
+    module = _Module("jit_step", {n: (sc, "custom-call") for n, sc in scopes.items()}, [list(scopes)])
+    kernels = ["decode_project", "decode_attention", "decode_project__1"] * 2
+    timed = [({"name": k, "ts": float(t), "pid": 1, "tid": 7,
+               "args": {"hlo_module": "jit_step", "hlo_op": "command_buffer_1", "correlation_id": "9"}},
+              1e-6 * (t + 1)) for t, k in enumerate(kernels)]
+    times = _attribute(timed, {"jit_step": [module]})
+    assert times == pytest.approx({(module, f"pallas_call.{t}"): 1e-6 * (t + 1) for t in range(6)})
+    assert module.scope("pallas_call.5") == "decode/layer_1/mlp/decode_project/pallas_call"
+
+
 def test_detail_trace_is_harmless_on_cpu(tmp_path):
     params = jaxllm.init_params(tiny_config(96), jax.random.key(0), jnp.float32)
     tokens = jnp.asarray([[1, 2, 3]])
