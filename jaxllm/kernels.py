@@ -118,7 +118,7 @@ class SplitHeads:
 
 
 @functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out"))
-def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, *,
+def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_B2R, *,
                      window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
                      interpret: bool = False, split_out: bool = False):
     """One new token per row, in one kernel: rotate its q and k, write k and v at slot `cursor`,
@@ -126,7 +126,8 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
 
     qkv [B, K, G+2, H] is the projection's output per KV head (G queries, then k, then v), before
     the optional per-head RMSNorm (Qwen3's q_norm/k_norm, [H]) and the rotation, whose cos and sin
-    [B, H/2] (float32, any attention factor included) are the new token's. The caches [B, K, S, H]
+    (float32, any attention factor included) are the new token's, stacked [B, 2, H/2]: one XLA
+    kernel makes both, where two made them as separate operands. The caches [B, K, S, H]
     are updated in place (their buffers aliased to the outputs). Returns (out [B, K, G, H], k, v);
     with `split_out`, out is a `SplitHeads` when the cache took more than one split.
     Scores, softmax and the weighted sum run in float32. Jitted, so the layers of a model share
@@ -148,10 +149,10 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     row = lambda *block_shape: pl.BlockSpec(block_shape, lambda b, k, s: (b,) + (0,) * (len(block_shape) - 1))
     head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
     vector = pl.BlockSpec((H,), lambda b, k, s: (0,))
-    in_specs = [pl.BlockSpec((1,), lambda b, k, s: (0,)), row(1), row(1, R), row(1, R),
+    in_specs = [pl.BlockSpec((1,), lambda b, k, s: (0,)), row(1), row(1, 2, R),
                 head(J, H), head(S, H), head(S, H)] + [vector, vector] * qk_norm
     args = [jnp.reshape(cursor, (1,)).astype(jnp.int32), start_B.astype(jnp.int32),
-            cos_BR.astype(jnp.float32), sin_BR.astype(jnp.float32), qkv_BKJH, k_BKSH, v_BKSH]
+            rotation_B2R.astype(jnp.float32), qkv_BKJH, k_BKSH, v_BKSH]
     args += [q_norm_H, k_norm_H] * qk_norm
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, K, G, H), qkv_BKJH.dtype)]
@@ -169,7 +170,7 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, cos_BR, sin_BR, 
     out_specs += [head(S, H), head(S, H)]
     outs = pl.pallas_call(
         kernel, grid=(B, K, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={5: n_out, 6: n_out + 1},
+        input_output_aliases={4: n_out, 5: n_out + 1},
         compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=2),
         interpret=interpret, name="decode_attention")(*args)
     k_BKSH, v_BKSH = outs[n_out:]
@@ -186,7 +187,7 @@ def _dot_t(a_MK, b_NK):
     return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k_ref, v_ref, *refs,
+def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
                              G, R, window, span, block, splits, eps, qk_norm, P):
     """One (row, KV head, split of the cache) program; see `decode_attention`.
 
@@ -204,7 +205,7 @@ def _decode_attention_kernel(cursor_ref, start_ref, cos_ref, sin_ref, qkv_ref, k
     part = pl.program_id(2)
     cursor, start = cursor_ref[0], start_ref[0]
     lo = start if window is None else jnp.maximum(start, cursor + 1 - window)
-    cos, sin = cos_ref[0, :][None, :], sin_ref[0, :][None, :]
+    cos, sin = rotation_ref[0, pl.ds(0, 1), :], rotation_ref[0, pl.ds(1, 1), :]
     is_query = jnp.arange(P) < G
 
     def rotated(x1, x2, norm_ref):  # float32 [rows, R] halves, normed (Qwen3) and rotated

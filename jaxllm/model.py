@@ -30,17 +30,18 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
-    `fused` marks a decode step taking the Pallas kernel: (start_B, cos_BR, sin_BR, interpret,
-    split_out); with split_out the heads may come back as a `kernels.SplitHeads` for `_project`.
+    `fused` marks a decode step taking the Pallas kernel: (start_B, rotation_B2R (the new token's
+    cos and sin), interpret, split_out); with split_out the heads may come back as a
+    `kernels.SplitHeads` for `_project`.
 
     Inside shard_map, K is the device's KV heads.
     """
     G = cfg.q_per_kv
     B, T, K, _, H = qkv_BTKJH.shape
     if fused is not None:  # rotation, cache writes and attention in one kernel
-        start_B, cos_BR, sin_BR, interpret, split_out = fused
+        start_B, rotation_B2R, interpret, split_out = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
-            qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, cos_BR, sin_BR, window=window,
+            qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, rotation_B2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
             split_out=split_out)
         if isinstance(out_BKGH, kernels.SplitHeads):
@@ -141,8 +142,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
             params.dtype, cfg.head_dim, 2 * inv_freq.shape[0], cache.k_scale is not None, cache.length)
         if mode:  # the new token's rotation, once for all layers' kernels
             angles_BR = positions_BT.astype(jnp.float32) * inv_freq
-            fused = (cache.start, jnp.cos(angles_BR) * rope_scale, jnp.sin(angles_BR) * rope_scale,
-                     mode == "interpret", proj is not None)  # o's kernel may combine splits
+            rotation_B2R = jnp.stack([jnp.cos(angles_BR), jnp.sin(angles_BR)], axis=1) * rope_scale
+            fused = (cache.start, rotation_B2R, mode == "interpret",
+                     proj is not None)  # o's kernel may combine splits
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)

@@ -137,8 +137,9 @@ def decode_attention():
         f32 = lambda xs: [None if x is None else x.astype(jnp.float32) for x in xs]
         want, want_k = jax.jit(reference, static_argnums=6)(
             *f32([qkv, *caches]), jnp.int32(cursor), start, inv_freq, window, *f32(norms))
-        got, got_k, _ = kernels.decode_attention(qkv, *caches, jnp.int32(cursor), start, jnp.cos(angles),
-                                                 jnp.sin(angles), window=window, q_norm_H=norms[0],
+        rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+        got, got_k, _ = kernels.decode_attention(qkv, *caches, jnp.int32(cursor), start, rotation,
+                                                 window=window, q_norm_H=norms[0],
                                                  k_norm_H=norms[1], eps=1e-6)
         name = f"decode attention B={B} K={K} G={G} H={H} S={S} cursor={cursor} window={window} norm={norm}"
         check(name, rel(got, want), 1e-2)

@@ -56,8 +56,9 @@ def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S
     q_norm, k_norm = (normal(H), normal(H)) if qk_norm else (None, None)
     inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
     angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
-    out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, jnp.cos(angles),
-                                         jnp.sin(angles), window=window, q_norm_H=q_norm, k_norm_H=k_norm,
+    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, rotation,
+                                         window=window, q_norm_H=q_norm, k_norm_H=k_norm,
                                          eps=1e-6, interpret=True)
     ref_out, ref_k, ref_v = _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm,
                                        k_norm, 1e-6)
