@@ -111,8 +111,9 @@ def trace(log_dir: str | os.PathLike, *, detail: bool = False, perfetto: bool = 
     """Record a profiler trace of the block into `log_dir` (viewable in Perfetto and XProf).
 
     Warm up (compile) before entering, inside `kernel_view` if the block calls `generate`:
-    compilation inside the block is traced too and swamps the steady state. Block on the results inside (`jax.block_until_ready`): work still queued when the
-    block exits is cut off. `detail=True` adds Python call stacks and verbose host events.
+    compilation inside the block is traced too and swamps the steady state. Block on the results
+    inside (`jax.block_until_ready`): work still queued when the block exits is cut off.
+    `detail=True` adds Python call stacks and verbose host events.
     """
     info = Trace(Path(log_dir), detail=detail)
     info.log_dir.mkdir(parents=True, exist_ok=True)
