@@ -19,6 +19,17 @@ def spy(monkeypatch, name: str, record=lambda *args: 1) -> list:
     return calls
 
 
+def prefill_and_decode(params, ids, prompt: int, cache) -> list:
+    """Prefill ids[:, :prompt] into cache, then decode the rest one token a step: [the prefill's
+    logits, then each step's] as numpy arrays [B, V]."""
+    logits, cache = jaxllm.prefill(params, ids[:, :prompt], cache)
+    steps = [np.asarray(logits)]
+    for t in range(prompt, ids.shape[1]):
+        logits, cache = jaxllm.decode_step(params, ids[:, t], cache)
+        steps.append(np.asarray(logits))
+    return steps
+
+
 def decode_per_mode(monkeypatch, params, ids, prompt: int, switches, modes=("xla", "interpret")):
     """Prefill ids[:, :prompt] into a float32 cache of 16 slots, then decode the rest one token a
     step, with every kernel switch in `switches` set to each mode in turn (jit caches cleared
@@ -29,11 +40,6 @@ def decode_per_mode(monkeypatch, params, ids, prompt: int, switches, modes=("xla
         for switch in switches:
             monkeypatch.setattr(kernels, switch, mode)
         cache = init_cache(params.config, ids.shape[0], 16, jnp.float32)
-        _, cache = jaxllm.prefill(params, ids[:, :prompt], cache)
-        steps = []
-        for t in range(prompt, ids.shape[1]):
-            logits, cache = jaxllm.decode_step(params, ids[:, t], cache)
-            steps.append(np.asarray(logits))
-        runs.append(np.stack(steps))
+        runs.append(np.stack(prefill_and_decode(params, ids, prompt, cache)[1:]))
     jax.clear_caches()
     return runs

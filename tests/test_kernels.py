@@ -17,7 +17,7 @@ from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm.cache import init_cache
 from jaxllm.quant import QuantizedWeight, quantize, quantize_params
-from kernel_modes import decode_per_mode, spy
+from kernel_modes import decode_per_mode, prefill_and_decode, spy
 from tiny_models import random_tokens, rel_err
 
 
@@ -75,6 +75,13 @@ def _interpreted(monkeypatch, switch: str):
     jax.clear_caches()
 
 
+@contextlib.contextmanager
+def _interpreted_within(switch: str):
+    """`_interpreted` for a block of a test (its own monkeypatch, undone at the block's end)."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield from _interpreted(patch, switch)
+
+
 @pytest.fixture
 def kernel_mode(monkeypatch):
     yield from _interpreted(monkeypatch, "DECODE_ATTENTION")
@@ -109,11 +116,7 @@ def _decode_matches_forward(m, rows: int = 2, kernels_on=contextlib.nullcontext)
     ids, full, start = ids[-rows:], full[-rows:], jnp.asarray([0, 3][-rows:])
     with kernels_on():
         cache = init_cache(m.params.config, rows, 32, jnp.float32, start=start)
-        logits, cache = jaxllm.prefill(m.params, ids[:, :8], cache)
-        steps = [np.asarray(logits)]
-        for t in range(8, 14):
-            logits, cache = jaxllm.decode_step(m.params, ids[:, t], cache)
-            steps.append(np.asarray(logits))
+        steps = prefill_and_decode(m.params, ids, 8, cache)
     assert rel_err(np.stack(steps, 1), full[:, 7:14]) < 1e-4
 
 
@@ -281,14 +284,7 @@ def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, na
     after it (on XLA) read the cache it wrote; the reference forward runs on XLA."""
     m = tiny(name)
     calls = spy(monkeypatch, "_add_norm_call")
-
-    @contextlib.contextmanager
-    def kernels_on():
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(kernels, "ADD_NORM", "interpret")
-            yield from _interpreted(patch, "ADD_NORM")
-
-    _decode_matches_forward(m, kernels_on=kernels_on)
+    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("ADD_NORM"))
     layers = m.params.config.num_layers
     assert len(calls) == 2 * layers - 1  # the prefill traced: 2 a layer, the last layer 1
 
@@ -303,11 +299,5 @@ def test_batch_1_decode_through_add_norm_matches_the_full_forward(monkeypatch, p
     the norm feeds is too large for `project`'s kernel; `limit` makes some of the tiny ones so."""
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", limit)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
-
-    @contextlib.contextmanager
-    def kernels_on():
-        with pytest.MonkeyPatch.context() as patch:
-            yield from _interpreted(patch, "ADD_NORM")
-
-    _decode_matches_forward(tiny(name), rows=1, kernels_on=kernels_on)
+    _decode_matches_forward(tiny(name), rows=1, kernels_on=lambda: _interpreted_within("ADD_NORM"))
     assert rows.count(1) == decode_calls  # the decode step traced (the prefill's rows are 8)
