@@ -280,7 +280,8 @@ def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref
 # down+residual): SmolLM2's widths 15.7 us a layer against XLA's 18.4, Llama-3.2-1B's 43.7
 # against 44.0, but Llama-3-8B's 123 against 115 (3.55 TB/s against XLA's 3.79) and 8B in int8
 # 94 against 89: XLA's reduction streams large matrices faster. So the kernel takes matrices of
-# at most KERNEL_MAX_WEIGHTS weights, where launches, not bandwidth, set the time.
+# at most KERNEL_MAX_WEIGHTS weights, where launches, not bandwidth, set the time; int8 ones up
+# to KERNEL_MAX_INT8_WEIGHTS, since converting them without I2F (below) made it the faster.
 # "auto": the kernel on a GPU where `decode_project_mode` allows; "xla" never; "interpret" in
 # Pallas' interpreter (tests on the CPU).
 DECODE_PROJECT = os.environ.get("JAXLLM_DECODE_PROJECT", "auto")
@@ -292,6 +293,16 @@ KERNEL_MAX_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20)
 # widths. JAXLLM_PROJECT_TILES="elements,chunk,warps" overrides them for benchmarking.
 PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_PROJECT_TILES", "4096,2048,4").split(","))
+# int8 weights, converted in registers without I2F (see `_INT8_ASM`), stream faster through the
+# kernel than through XLA's reduction up to the 8B shape's gate/up (117M weights), given larger
+# tiles. The 8B shape in int8 on an H200, a step: 2.877 ms with every layer matrix in the kernel,
+# 3.130 the same with I2F, 3.021 with XLA's reductions (one run). In another: 2.875 against
+# 3.027, 2.900 with the lm_head (525M) in the kernel too, 2.989 with gate/up left to XLA. Tiles
+# (elements, chunk, warps) for int8 matrices above KERNEL_MAX_WEIGHTS, of eight sets:
+# 16384,4096,4 (8 warps: 3.253; 8192,4096,4: 3.054; 32768,8192,8: 2.998).
+# JAXLLM_PROJECT_MAX_INT8_WEIGHTS and JAXLLM_PROJECT_INT8_TILES override them for benchmarking.
+KERNEL_MAX_INT8_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_INT8_WEIGHTS", 128 * 2**20))
+INT8_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_PROJECT_INT8_TILES", "16384,4096,4").split(","))
 
 
 def decode_project_mode(dtype, rows: int) -> str | None:
@@ -307,7 +318,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
             swiglu: bool = False, out_dtype=None, mode: str | None = None):
     """[residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or with `swiglu` (w [2, F, C]: gate
     and up) silu(gate) * up: XLA's `layers` arithmetic, in one kernel when `mode` is "gpu" or
-    "interpret", x is one row and w has at most KERNEL_MAX_WEIGHTS weights, else in XLA.
+    "interpret", x is one row and w has at most KERNEL_MAX_WEIGHTS weights (KERNEL_MAX_INT8_WEIGHTS
+    int8 ones), else in XLA.
 
     w may be a `QuantizedWeight` (int8 rows, per-output scales), converted in registers.
     The kernel scales each row's products by the norm's inverse RMS after the sum (exact in real
@@ -330,19 +342,21 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
             x_MC = heads.combined().reshape(M, C)
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
-    chunk = min(padded, MAX_CHUNK)
+    elements, max_chunk, warps = (INT8_TILES if math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
+                                  else (PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS))
+    chunk = min(padded, max_chunk)
     # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
-    rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
+    rows = min(max(2, elements // chunk // (2 if swiglu else 1)), width & -width)
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, eps=eps, swiglu=swiglu,
                                 out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
-                                interpret=mode == "interpret")
+                                warps=warps, interpret=mode == "interpret")
 
 
 def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
     """Whether `project` of one row against w, under `mode`, runs its kernel (which then folds a
     norm in); False where it composes XLA's ops (no mode, large matrices, SwiGLU with a bias)."""
-    return (mode is not None and math.prod(w_NC.shape) <= KERNEL_MAX_WEIGHTS
-            and not (swiglu and biased))
+    limit = KERNEL_MAX_INT8_WEIGHTS if isinstance(w_NC, QuantizedWeight) else KERNEL_MAX_WEIGHTS
+    return mode is not None and math.prod(w_NC.shape) <= limit and not (swiglu and biased)
 
 
 def _heads_values(heads: SplitHeads) -> int:
@@ -366,9 +380,9 @@ def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "out_dtype", "rows", "chunk",
-                                             "interpret"))
+                                             "warps", "interpret"))
 def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu, out_dtype, rows,
-                         chunk, interpret):
+                         chunk, warps, interpret):
     """The pallas_call of `project`: one program per `rows` output channels."""
     scales = None
     if isinstance(w_NC, QuantizedWeight):
@@ -412,16 +426,17 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
     kernel = functools.partial(
         _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, norm=norm_C is not None,
         scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
-        heads=heads)
+        heads=heads, permute_int8=not interpret and INT8_CONVERT == "permute")
     return pl.pallas_call(
         kernel, grid=(width // rows,), in_specs=specs,
         out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((1, width), out_dtype),
-        compiler_params=plt.CompilerParams(num_warps=PROJECT_WARPS, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="decode_project")(*args)
 
 
-def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads):
+def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads,
+                    permute_int8=False):
     """One program: `project` for a few output channels, reading their weight rows in as few
     chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
     on memory once per chunk, not once per loop step of a pipelined tile. With `heads` (splits,
@@ -454,10 +469,8 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
         if norm:  # the inverse RMS scales the sums after the loop
             squares = squares + jnp.sum(x * x, axis=1)
             x = x * plt.load(g_ref.at[pl.ds(at, chunk)], mask=cols, other=0).astype(f32)[None, :]
-        # int8 weights convert with I2F; through a float's mantissa (integer ops, no I2F) an
-        # 8B-shape int8 chain ran no faster on an H200: 96.2 us a layer against 95.5.
-        ys = [y + jnp.sum(plt.load(w_ref.at[:, pl.ds(at, chunk)], mask=cols[None, :],
-                                   other=0).astype(f32) * x, axis=1)
+        ys = [y + jnp.sum(_to_f32(plt.load(w_ref.at[:, pl.ds(at, chunk)], mask=cols[None, :],
+                                           other=0), permute_int8) * x, axis=1)
               for y, w_ref in zip(ys, w_refs)]
     if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
         ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]
@@ -473,6 +486,34 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     if residual:
         y = r_ref[0, :].astype(o_ref.dtype) + y
     o_ref[0, :] = y
+
+
+# How the kernel converts int8 weights to float32 on a GPU: "permute" (`_INT8_ASM`) or "i2f"
+# (the compiler's convert). I2F issues at a quarter of the float rate: streaming int8 near the
+# memory's speed takes about 16 conversions a clock per multiprocessor, all that I2F gives.
+INT8_CONVERT = os.environ.get("JAXLLM_INT8_CONVERT", "permute")
+
+# int8 -> float32 by two full-rate instructions a value: each byte, offset to u = q + 128, is
+# permuted into the low byte of 0x4B000000, the float 2^23 (a 23-bit mantissa), giving the float
+# 2^23 + u exactly; subtracting 2^23 + 128 leaves q. Four values a 32-bit register.
+_INT8_ASM = """{
+.reg .b32 u;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 $0, u, 0x4B000000, 0x7440;
+prmt.b32 $1, u, 0x4B000000, 0x7441;
+prmt.b32 $2, u, 0x4B000000, 0x7442;
+prmt.b32 $3, u, 0x4B000000, 0x7443;
+}"""
+
+
+def _to_f32(w, permute: bool):
+    """A loaded weight tile as float32; int8 through `_INT8_ASM` when `permute` (GPU only)."""
+    if not (permute and w.dtype == jnp.int8):
+        return w.astype(jnp.float32)
+    (bits,) = plt.elementwise_inline_asm(
+        _INT8_ASM, args=[w], constraints="=r,=r,=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.int32)])
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) - (2.0**23 + 128)
 
 
 def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):

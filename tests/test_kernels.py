@@ -231,6 +231,27 @@ def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
     assert len(calls) == 1
 
 
+def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(monkeypatch):
+    """int8 weights take the kernel up to KERNEL_MAX_INT8_WEIGHTS (it converts them without I2F
+    on a GPU), those past KERNEL_MAX_WEIGHTS in INT8_TILES; a float matrix that size stays on XLA."""
+    tiles, real = [], kernels._project_kernel_call
+    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: tiles.append(
+        (k["rows"], k["chunk"], k["warps"])) or real(*a, **k))
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 32 * 64 - 1)
+    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 32 * 64)
+    monkeypatch.setattr(kernels, "INT8_TILES", (256, 32, 2))
+    key = jax.random.key(3)
+    x, w = jax.random.normal(key, (1, 64)), jax.random.normal(jax.random.fold_in(key, 1), (32, 64))
+    kernels.project(x, w, mode="interpret")
+    assert tiles == []
+    out = kernels.project(x, quantize(w), mode="interpret")
+    assert tiles == [(8, 32, 2)]  # 256 weights a program: 8 rows of a 32-channel chunk, twice
+    assert rel_err(np.asarray(out), np.asarray(kernels.project(x, quantize(w), mode=None))) < 1e-5
+    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 32 * 64 - 1)
+    kernels.project(x, quantize(w), mode="interpret")
+    assert len(tiles) == 1
+
+
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
 def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kernel_mode,
                                                               project_mode, tiny, name):
