@@ -286,7 +286,8 @@ def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref
 # Pallas' interpreter (tests on the CPU).
 DECODE_PROJECT = os.environ.get("JAXLLM_DECODE_PROJECT", "auto")
 # JAXLLM_PROJECT_MAX_WEIGHTS overrides the limit for benchmarking. 30M (the 8B shape's qkv and
-# o, Llama-3.2-1B's down too) lost on both: 4.11 against 4.06 ms a step, 0.892 against 0.889.
+# o, Llama-3.2-1B's down too) lost on both: 4.11 against 4.06 ms a step, 0.892 against 0.889;
+# 120M (every 8B layer matrix) in the int8 tiles below lost too: 4.126 against 3.855.
 KERNEL_MAX_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20))
 # Tiles: weights a program loads at once (its rows times a chunk of the input channels), the
 # largest chunk, warps. Of six sets, 4096,2048,4 was fastest at SmolLM2's and Llama-3.2-1B's
