@@ -252,6 +252,16 @@ def generate_loop():
         check(f"generate row {b} stops at its stop id (length {n}, wanted {want}; 1 = wrong)",
               float(not ok), 0)
 
+    # Our kernels let the next one launch early (kernels.PDL_TRIGGER); a kernel that then read its
+    # input before the one ahead had written it would change the tokens.
+    signalled, kernels.PDL_TRIGGER = kernels.PDL_TRIGGER, False
+    jax.clear_caches()
+    unsignalled = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
+    kernels.PDL_TRIGGER = signalled
+    jax.clear_caches()
+    check("generate with kernels signalling their dependents early, a token differs (1 = yes)",
+          float(not (unsignalled == free).all()), 0)
+
 
 if __name__ == "__main__":
     if jax.default_backend() != "gpu":
