@@ -10,6 +10,7 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 (SmolLM2), 19.3 against 24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`).
+On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`).
 """
 
 import functools
