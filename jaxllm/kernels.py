@@ -584,6 +584,13 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")
 # Tiles: rows a program (at most; a power of two that divides the row count), warps a program.
 # JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
+# The PDL signal (see PDL_TRIGGER) in this kernel too, where its programs fit on the GPU at once
+# (decode steps), with JAXLLM_PDL_ADD_NORM=1: the 8B shape at batch 1 took 3.885 and 3.884 ms a
+# step against 3.899 and 3.897 (H200, same run); a 2048-token prefill, many waves of programs,
+# 48.45 ms against 47.59, so it never signals there. Off by default until
+# `JAXLLM_PDL_ADD_NORM=1 python scripts/gpu_check.py decode_project` has passed (its 8B batch-1
+# decode goes through this kernel; the device time ran out first).
+ADD_NORM_TRIGGER = os.environ.get("JAXLLM_PDL_ADD_NORM", "0") == "1"
 ADD_NORM_ROWS, ADD_NORM_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_ADD_NORM_TILES", "1,4").split(","))
 
@@ -609,10 +616,11 @@ def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret):
     M, C = x_MC.shape
     P = _pow2(C)  # the row's tile, masked past C
     rows = min(ADD_NORM_ROWS, M & -M)
+    trigger = ADD_NORM_TRIGGER and _pdl_trigger(interpret) and M // rows <= _multiprocessors()
     block = pl.BlockSpec((rows, C), lambda i: (i, 0))
     normed_dtype = jnp.result_type(norm_C.dtype, x_MC.dtype)
     return pl.pallas_call(
-        functools.partial(_add_norm_kernel, C=C, P=P, eps=eps), grid=(M // rows,),
+        functools.partial(_add_norm_kernel, C=C, P=P, eps=eps, trigger=trigger), grid=(M // rows,),
         in_specs=[block, block, pl.BlockSpec((C,), lambda i: (0,))], out_specs=[block, block],
         out_shape=[jax.ShapeDtypeStruct((M, C), x_MC.dtype),
                    jax.ShapeDtypeStruct((M, C), normed_dtype)],
@@ -620,10 +628,12 @@ def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret):
         interpret=interpret, name="add_norm")(x_MC, delta_MC, norm_C)
 
 
-def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *, C, P, eps):
+def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *, C, P, eps, trigger=False):
     """A few rows: the sum rounded to x's dtype (as XLA's add), then `layers.rms_norm` of it."""
     f32 = jnp.float32
     cols = (jnp.arange(P) < C)[None, :]
+    if trigger:  # the signal's result used, so that the compiler keeps it
+        cols = cols & (_launch_dependents(pl.program_id(0)) >= 0)
     at = (pl.ds(0, x_ref.shape[0]), pl.ds(0, P))
     x = plt.load(x_ref.at[at], mask=cols, other=0).astype(f32)
     d = plt.load(d_ref.at[at], mask=cols, other=0).astype(f32)
