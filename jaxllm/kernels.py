@@ -582,8 +582,6 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 # "auto": the kernel on a GPU where `add_norm_mode` allows; "xla" never; "interpret" in Pallas'
 # interpreter (tests on the CPU).
 ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")
-# Tiles: rows a program (at most; a power of two that divides the row count), warps a program.
-# JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
 # The PDL signal (see PDL_TRIGGER) in this kernel too, where its programs fit on the GPU at once
 # (decode steps), with JAXLLM_PDL_ADD_NORM=1: the 8B shape at batch 1 took 3.885 and 3.884 ms a
 # step against 3.899 and 3.897 (H200, same run); a 2048-token prefill, many waves of programs,
@@ -591,6 +589,8 @@ ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")
 # `JAXLLM_PDL_ADD_NORM=1 python scripts/gpu_check.py decode_project` has passed (its 8B batch-1
 # decode goes through this kernel; the device time ran out first).
 ADD_NORM_TRIGGER = os.environ.get("JAXLLM_PDL_ADD_NORM", "0") == "1"
+# Tiles: rows a program (at most; a power of two that divides the row count), warps a program.
+# JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
 ADD_NORM_ROWS, ADD_NORM_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_ADD_NORM_TILES", "1,4").split(","))
 
