@@ -126,6 +126,9 @@ def _launch_dependents(x):
 # ms a step against 0.553 with XLA's combine; at 8 x 16 x 128 Qwen3-0.6B lost (0.742 against
 # 0.725), at 8 x 32 x 64 Llama-3.2-1B more (0.936 against 0.865); with 8 warps for those tiles
 # Qwen3-0.6B broke even (0.736 against 0.744) and Llama-3.2-1B still lost (0.913 against 0.863).
+# Above it XLA combines them and the kernel still projects, where it takes the matrix: the 8B
+# shape in int8 2.925 and 2.931 ms a step against 2.953 and 2.968 with XLA's product and residual
+# add too, Llama-3.2-1B 0.821 and 0.824 against 0.825 and 0.824 (H200, same run).
 # JAXLLM_FUSED_HEADS overrides the limit for benchmarking (0: always XLA's combine).
 FUSED_HEADS_VALUES = int(os.environ.get("JAXLLM_FUSED_HEADS", "8192"))
 
@@ -359,7 +362,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     The kernel scales each row's products by the norm's inverse RMS after the sum (exact in real
     arithmetic), where XLA rounds the normalized x to its dtype first.
     x may be a `SplitHeads` (the heads of a decode step's attention, C = K*G*H) for a product
-    without norm or SwiGLU: the kernel then combines the splits as it loads them.
+    without norm or SwiGLU: the kernel then combines the splits as it loads them, where they are
+    few enough (FUSED_HEADS_VALUES); else XLA combines them first.
     """
     heads = x_MC if isinstance(x_MC, SplitHeads) else None
     if heads is not None:
@@ -369,9 +373,10 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
         M, C = x_MC.shape
         out_dtype = out_dtype or x_MC.dtype
     padded = _pow2(C)
-    fused = heads is None or (norm_C is None and not swiglu
-                              and _heads_values(heads) <= FUSED_HEADS_VALUES)
-    if not (M == 1 and fused and project_takes(w_NC, mode, swiglu, bias_N is not None)):
+    if heads is not None and not (norm_C is None and not swiglu
+                                  and _heads_values(heads) <= FUSED_HEADS_VALUES):
+        x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines; the kernel may project
+    if not (M == 1 and project_takes(w_NC, mode, swiglu, bias_N is not None)):
         if heads is not None:
             x_MC = heads.combined().reshape(M, C)
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)

@@ -198,15 +198,21 @@ def test_project_kernel_combines_split_heads(splits, int8):
 
 
 def test_split_heads_too_large_for_registers_are_combined_by_xla(monkeypatch):
-    calls = spy(monkeypatch, "_project_kernel_call")
-    heads, w = _split_heads(3), jnp.ones((8, 144))
+    """Splits too many for a program's registers: XLA combines them, the kernel still projects the
+    combined row; a matrix too large for the kernel: XLA does both."""
+    calls = spy(monkeypatch, "_project_kernel_call", record=lambda x, *rest: x)
+    heads, w = _split_heads(3), jax.random.normal(jax.random.key(5), (8, 144))
     assert kernels._heads_values(heads) == 4 * 16 * 16
     kernels.project(heads, w, mode="interpret")
-    assert len(calls) == 1
+    assert len(calls) == 1 and isinstance(calls[-1], kernels.SplitHeads)
+    ref = kernels.project(heads.combined().reshape(1, 144), w, mode=None)
     monkeypatch.setattr(kernels, "FUSED_HEADS_VALUES", 4 * 16 * 16 - 1)
     out = kernels.project(heads, w, mode="interpret")
-    assert len(calls) == 1  # the kernel ran no more: XLA combined the splits and projected
-    ref = kernels.project(heads.combined().reshape(1, 144), w, mode=None)
+    assert len(calls) == 2 and calls[-1].shape == (1, 144)  # the combined row
+    assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 8 * 144 - 1)
+    out = kernels.project(heads, w, mode="interpret")
+    assert len(calls) == 2  # the kernel ran no more: XLA combined the splits and projected
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
