@@ -335,11 +335,19 @@ PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
 # tiles. The 8B shape in int8 on an H200, a step: 2.877 ms with every layer matrix in the kernel,
 # 3.130 the same with I2F, 3.021 with XLA's reductions (one run). In another: 2.875 against
 # 3.027, 2.900 with the lm_head (525M) in the kernel too, 2.989 with gate/up left to XLA. Tiles
-# (elements, chunk, warps) for int8 matrices above KERNEL_MAX_WEIGHTS, of eight sets:
-# 16384,4096,4 (8 warps: 3.253; 8192,4096,4: 3.054; 32768,8192,8: 2.998).
-# JAXLLM_PROJECT_MAX_INT8_WEIGHTS and JAXLLM_PROJECT_INT8_TILES override them for benchmarking.
+# for int8 matrices above KERNEL_MAX_WEIGHTS: rows a program of each operand (SwiGLU's gate and
+# up both), the largest chunk, warps. A chunk divides the row where a power of two at least half
+# the largest does (the 8B shape's down, 14336 = 7 x 2048), rather than a last chunk overlapping
+# the one before. Isolated chains of the 8B shape's matrices (TB/s of int8 bytes): gate/up 3.01
+# at 4 rows of each operand against 2.78 at 2 (the earlier 16384 weights a program, SwiGLU
+# halving the rows), down 2.49 in 2048-channel chunks against 2.38 in overlapping 4096 ones;
+# qkv and o within 3% of their best at 4 rows of 4096. End to end (H200, same run, two rounds): 2.775 and 2.785 ms
+# a step against 2.942 and 2.955 with the earlier tiles. Of the earlier eight sets of weights
+# per program, chunk and warps, 16384,4096,4 had been best (8 warps: 3.253 ms; 8192,4096,4:
+# 3.054; 32768,8192,8: 2.998). JAXLLM_PROJECT_MAX_INT8_WEIGHTS and JAXLLM_PROJECT_INT8_TILES
+# ("rows,chunk,warps") override them for benchmarking.
 KERNEL_MAX_INT8_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_INT8_WEIGHTS", 128 * 2**20))
-INT8_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_PROJECT_INT8_TILES", "16384,4096,4").split(","))
+INT8_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_PROJECT_INT8_TILES", "4,4096,4").split(","))
 
 
 def decode_project_mode(dtype, rows: int) -> str | None:
@@ -381,11 +389,17 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
             x_MC = heads.combined().reshape(M, C)
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
-    elements, max_chunk, warps = (INT8_TILES if math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
-                                  else (PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS))
-    chunk = min(padded, max_chunk)
-    # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
-    rows = min(max(2, elements // chunk // (2 if swiglu else 1)), width & -width)
+    if math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS:  # large int8 matrices (see INT8_TILES)
+        rows, max_chunk, warps = INT8_TILES
+        chunk = min(padded, max_chunk)
+        if C % chunk and (C & -C) >= chunk // 2:  # whole chunks, not an overlapping last one
+            chunk = C & -C
+        rows = min(rows, width & -width)
+    else:
+        chunk = min(padded, MAX_CHUNK)
+        # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
+        rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
+        warps = PROJECT_WARPS
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, eps=eps, swiglu=swiglu,
                                 out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
                                 warps=warps, interpret=mode == "interpret")

@@ -12,8 +12,8 @@
   through it against XLA's masked form at real model widths;
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
   int8 weights; the o projection from uncombined attention splits) against float32 XLA at
-  Qwen3-0.6B and SmolLM2 widths, and batch-1 decode through it (splits combined in the o
-  projection);
+  Qwen3-0.6B and SmolLM2 widths, int8 at the 8B shape's, and batch-1 decode through it (splits
+  combined in the o projection);
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
   through it (then decode steps reading its cache) against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
@@ -154,7 +154,9 @@ def decode_attention():
 def decode_project():
     bf16, f32 = jnp.bfloat16, jnp.float32
     upcast = lambda a: a.astype(f32) if a.dtype == bf16 else a
-    for D, N, F in [(1024, 4096, 3072), (576, 960, 1536)]:  # Qwen3-0.6B and SmolLM2 widths
+    # Qwen3-0.6B's and SmolLM2's widths, and the 8B shape's, whose matrices take the kernel in
+    # int8 only (in INT8_TILES: the down projection's 14336 channels in whole chunks of 2048).
+    for D, N, F in [(1024, 4096, 3072), (576, 960, 1536), (4096, 6144, 14336)]:
         keys = jax.random.split(jax.random.key(D), 7)
         w = jax.random.normal(keys[0], (N, D), bf16) * D ** -0.5
         w_gate_up = jax.random.normal(keys[1], (2, F, D), bf16) * D ** -0.5
@@ -167,6 +169,8 @@ def decode_project():
                  ("down + residual", act, w_down, dict(residual_MN=x)),
                  ("norm + head, float32", x, w, dict(norm_C=g, out_dtype=f32))]
         cases += [(f"int8 {name}", a, quantize(m), kw) for name, a, m, kw in cases[1:3]]
+        if D == 4096:
+            cases = [("int8 norm + qkv", x, quantize(w), dict(norm_C=g))] + cases[-2:]
         for name, a, m, kw in cases:
             got = kernels.project(a, m, mode="gpu", **kw)
             arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}

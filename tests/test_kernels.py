@@ -245,17 +245,26 @@ def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(mon
         (k["rows"], k["chunk"], k["warps"])) or real(*a, **k))
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 32 * 64 - 1)
     monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 32 * 64)
-    monkeypatch.setattr(kernels, "INT8_TILES", (256, 32, 2))
+    monkeypatch.setattr(kernels, "INT8_TILES", (8, 32, 2))
     key = jax.random.key(3)
     x, w = jax.random.normal(key, (1, 64)), jax.random.normal(jax.random.fold_in(key, 1), (32, 64))
     kernels.project(x, w, mode="interpret")
     assert tiles == []
     out = kernels.project(x, quantize(w), mode="interpret")
-    assert tiles == [(8, 32, 2)]  # 256 weights a program: 8 rows of a 32-channel chunk, twice
+    assert tiles == [(8, 32, 2)]  # 8 rows a program, in chunks of 32 channels, twice
     assert rel_err(np.asarray(out), np.asarray(kernels.project(x, quantize(w), mode=None))) < 1e-5
+    # 96 channels in chunks of at most 64: three whole chunks of 32, not an overlapping second
+    # 64; SwiGLU's gate and up each 8 rows a program.
+    x96, w96 = jax.random.normal(key, (1, 96)), jax.random.normal(jax.random.fold_in(key, 2), (2, 16, 96))
+    monkeypatch.setattr(kernels, "INT8_TILES", (8, 64, 2))
+    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 2 * 16 * 96)
+    out = kernels.project(x96, quantize(w96), swiglu=True, mode="interpret")
+    assert tiles[-1] == (8, 32, 2)
+    ref = kernels.project(x96, quantize(w96), swiglu=True, mode=None)
+    assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
     monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 32 * 64 - 1)
     kernels.project(x, quantize(w), mode="interpret")
-    assert len(tiles) == 1
+    assert len(tiles) == 2
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
