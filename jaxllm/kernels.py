@@ -328,7 +328,8 @@ KERNEL_MAX_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20)
 # Tiles: weights a program loads at once (its rows times a chunk of the input channels), the
 # largest chunk, warps. Of six sets, 4096,2048,4 was fastest at SmolLM2's and Llama-3.2-1B's
 # widths; at Qwen3-0.6B's too (0.700 ms a step against 0.764 for 8192,2048,4, 0.725 for
-# 4096,1024,4 and 0.732 for 8192,4096,8). JAXLLM_PROJECT_TILES="elements,chunk,warps" overrides them for benchmarking.
+# 4096,1024,4 and 0.732 for 8192,4096,8). JAXLLM_PROJECT_TILES="elements,chunk,warps" overrides
+# them for benchmarking.
 PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_PROJECT_TILES", "4096,2048,4").split(","))
 # int8 weights, converted in registers without I2F (see `_INT8_ASM`), stream faster through the
@@ -342,12 +343,12 @@ PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
 # the one before. Isolated chains of the 8B shape's matrices (TB/s of int8 bytes): gate/up 3.01
 # at 4 rows of each operand against 2.78 at 2 (the earlier 16384 weights a program, SwiGLU
 # halving the rows), down 2.49 in 2048-channel chunks against 2.38 in overlapping 4096 ones;
-# qkv and o within 3% of their best at 4 rows of 4096. End to end (H200, same run, two rounds): 2.775 and 2.785 ms
-# a step against 2.942 and 2.955 with the earlier tiles; 4 rows and 8 warps 3.056, 8 rows of
-# 2048 3.348, 2 rows 3.128 against 2.794 (another run). Of the earlier eight sets of weights
-# per program, chunk and warps, 16384,4096,4 had been best (8 warps: 3.253 ms; 8192,4096,4:
-# 3.054; 32768,8192,8: 2.998). JAXLLM_PROJECT_MAX_INT8_WEIGHTS and JAXLLM_PROJECT_INT8_TILES
-# ("rows,chunk,warps") override them for benchmarking.
+# qkv and o within 3% of their best at 4 rows of 4096. End to end (H200, same run, two rounds):
+# 2.775 and 2.785 ms a step against 2.942 and 2.955 with the earlier tiles; 4 rows and 8 warps
+# 3.056, 8 rows of 2048 3.348, 2 rows 3.128 against 2.794 (another run). Of the earlier eight
+# sets of weights per program, chunk and warps, 16384,4096,4 had been best (8 warps: 3.253 ms;
+# 8192,4096,4: 3.054; 32768,8192,8: 2.998). JAXLLM_PROJECT_MAX_INT8_WEIGHTS and
+# JAXLLM_PROJECT_INT8_TILES ("rows,chunk,warps") override them for benchmarking.
 KERNEL_MAX_INT8_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_INT8_WEIGHTS", 128 * 2**20))
 INT8_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_PROJECT_INT8_TILES", "4,4096,4").split(","))
 
