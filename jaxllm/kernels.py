@@ -384,12 +384,11 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
         M, C = x_MC.shape
         out_dtype = out_dtype or x_MC.dtype
     padded = _pow2(C)
-    if heads is not None and not (norm_C is None and not swiglu
+    takes = M == 1 and project_takes(w_NC, mode, swiglu, bias_N is not None)
+    if heads is not None and not (takes and norm_C is None and not swiglu
                                   and _heads_values(heads) <= FUSED_HEADS_VALUES):
-        x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines; the kernel may project
-    if not (M == 1 and project_takes(w_NC, mode, swiglu, bias_N is not None)):
-        if heads is not None:
-            x_MC = heads.combined().reshape(M, C)
+        x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines the splits
+    if not takes:
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     if math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS:  # large int8 matrices (see INT8_TILES)
