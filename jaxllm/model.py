@@ -89,10 +89,10 @@ def _write(cache_BKSH, new_BKTH, scale_BKS, cursor):
             jax.lax.dynamic_update_slice(scale_BKS, s_BKT, (zero, zero, cursor)))
 
 
-def _ffn_block(cfg: ModelConfig, i: int, layer: Layer, h_BTD, axis=None):
+def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
     """Dense or MoE SwiGLU; with `axis`, F (or the experts) may be the device's part: psum then."""
     split = (lambda local, total: axis is not None and sharding.is_split(local, total))
-    if cfg.is_moe(i):
+    if moe:
         experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
         out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
                         cfg.experts_per_token, cfg.norm_topk_prob,
@@ -155,9 +155,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
-    eps = cfg.rms_norm_eps
     new_kv = []
     head_VD = params.embed if params.lm_head is None else params.lm_head
+    fused_args, fused_static = (None, None) if fused is None else (fused[:2], fused[2:])
     for i, layer in enumerate(params.layers):
         # What the residual stream feeds next: the next layer's qkv, or after the last layer the
         # lm_head (in a decode step; a prefill's final norm takes its last position only).
@@ -166,44 +166,16 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
             next_norm, next_w, next_bias = nxt.attn_norm, nxt.wqkv, nxt.bqkv is not None
         else:
             next_norm, next_w, next_bias = params.final_norm if T == 1 else None, head_VD, False
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
+              cache.v_scale and cache.v_scale[i])
+        next_takes = proj is not None and kernels.project_takes(next_w, proj, biased=next_bias)
         with jax.named_scope(f"layer_{i}"):
-            with jax.named_scope("attention"):
-                window = cfg.sliding_window if cfg.is_sliding(i) else None
-                bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
-                if normed_BTD is None:
-                    qkv_BTKJH = _project(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm,
-                                         eps=eps, bias_N=bias)
-                else:
-                    qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias)
-                kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
-                      cache.v_scale and cache.v_scale[i])
-                heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv,
-                                                 cache.cursor, masks[window], inv_freq,
-                                                 rope_scale, window, unroll_BT, fused)
-                ffn_kernel = proj and not cfg.is_moe(i) and kernels.project_takes(
-                    layer.w_gate_up, proj, swiglu=True)
-                if proj:  # with the FFN in project's kernel (which folds the norm in), o's
-                    wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)  # kernel adds the residual
-                    out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
-                                       residual=x_BTD if ffn_kernel else None)
-                else:
-                    out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
-                x_BTD, normed_BTD = (out_BTD, None) if ffn_kernel else \
-                    _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
-            with jax.named_scope("moe" if cfg.is_moe(i) else "mlp"):
-                folds = ffn_kernel and kernels.project_takes(next_w, proj, biased=next_bias)
-                if ffn_kernel:
-                    act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm,
-                                       eps=eps, swiglu=True)
-                    out_BTD = _project(proj, act_BTF, layer.w_down,
-                                       residual=x_BTD if folds else None)
-                else:
-                    if normed_BTD is None:
-                        normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)
-                    out_BTD = _ffn_block(cfg, i, layer, normed_BTD, axis)
-                # folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
-                x_BTD, normed_BTD = (out_BTD, None) if folds else \
-                    _add_norm(fuse, x_BTD, out_BTD, next_norm, eps)
+            x_BTD, normed_BTD, kv = _block(
+                layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
+                unroll_BT, fused_args, next_norm, cfg=cfg, window=window, moe=cfg.is_moe(i),
+                proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
+                fused_static=fused_static, next_takes=next_takes)
         new_kv.append(kv)
     if fresh:
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
@@ -213,6 +185,54 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                           k_scale=None if cache.k_scale is None else k_scale,
                           v_scale=None if cache.v_scale is None else v_scale)
     return x_BTD, normed_BTD, cache
+
+
+@partial(jax.jit, inline=True, static_argnames=(
+    "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes"))
+def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
+           unroll_BT, fused_args, next_norm, *, cfg: ModelConfig, window, moe: bool, proj, fuse,
+           rope_scale, axis, fused_static, next_takes: bool):
+    """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
+    through `next_norm` where `kernels.add_norm` made it, else None.
+
+    Jitted and inlined: layers of one shape trace once, and their equations are copied into the
+    step (a step traced each of its 32 layers, about a second of a warm-cache first call for the
+    8B shape). `next_takes`: whatever comes next (the next qkv or the lm_head) takes `project`'s
+    kernel, which folds `next_norm` in itself. The rest is as `_hidden` computes it.
+    """
+    eps = cfg.rms_norm_eps
+    fused = None if fused_args is None else (*fused_args, *fused_static)
+    with jax.named_scope("attention"):
+        bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
+        if normed_BTD is None:
+            qkv_BTKJH = _project(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
+                                 bias_N=bias)
+        else:
+            qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias)
+        heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, cursor,
+                                         mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
+        ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
+        if proj:  # with the FFN in project's kernel (which folds the norm in), o's
+            wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)  # kernel adds the residual
+            out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
+                               residual=x_BTD if ffn_kernel else None)
+        else:
+            out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
+        x_BTD, normed_BTD = (out_BTD, None) if ffn_kernel else \
+            _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
+    with jax.named_scope("moe" if moe else "mlp"):
+        folds = ffn_kernel and next_takes
+        if ffn_kernel:
+            act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm, eps=eps,
+                               swiglu=True)
+            out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None)
+        else:
+            if normed_BTD is None:
+                normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)
+            out_BTD = _ffn_block(cfg, moe, layer, normed_BTD, axis)
+        # folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
+        return (out_BTD, None, kv) if folds else \
+            (*_add_norm(fuse, x_BTD, out_BTD, next_norm, eps), kv)
 
 
 def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float):

@@ -4,6 +4,8 @@ import dataclasses
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -169,3 +171,25 @@ def test_repetition_penalty_matches_transformers_and_lowers_repeats(llama, free_
     np.testing.assert_array_equal(out.tokens, ref)
     np.testing.assert_array_equal(out.lengths, lengths)
     assert _repeats(free) > 0 and _repeats(out.tokens) < _repeats(free)
+
+
+def test_a_step_traces_each_kind_of_layer_once(llama, monkeypatch):
+    """Layers of one shape share one trace (model._block), so a first call's Python tracing does
+    not grow with depth: it was half of the 8B shape's warm-cache first call on an H200."""
+    from jaxllm import model
+    from jaxllm.cache import init_cache
+
+    traced = []
+    real = model._attention_block
+    monkeypatch.setattr(model, "_attention_block", lambda *a, **k: traced.append(1) or real(*a, **k))
+    model._block.clear_cache()
+    params = llama.params
+    assert len(params.layers) == 3
+    # A prefill's last layer is a kind of its own (no norm follows it: the final norm takes the
+    # last position only); in a decode step it feeds the final norm like the others the next qkv.
+    for fresh, T, kinds in ((True, 8, 2), (False, 1, 1)):
+        cache = init_cache(params.config, 1, 16, params.dtype)
+        traced.clear()
+        jax.jit(model.step, static_argnames="fresh").trace(
+            params, jnp.zeros((1, T), jnp.int32), cache, fresh=fresh)
+        assert len(traced) == kinds, (fresh, len(traced))
