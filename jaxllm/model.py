@@ -124,7 +124,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
     t_T = jnp.arange(T, dtype=jnp.int32)
     proj = _project_mode(params, B, T, axis)
-    fused = None
+    # A decode step through the attention kernel: its arrays, and its static switches (see
+    # `_attention_block`'s `fused`), apart so that `_block` takes the switches as static.
+    fused_args = fused_static = None
     if fresh:
         roll_BT = (t_T[None, :] + cache.start[:, None]) % T
         unroll_BT = (t_T[None, :] - cache.start[:, None]) % T
@@ -143,8 +145,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         if mode:  # the new token's rotation, once for all layers' kernels
             angles_BR = positions_BT.astype(jnp.float32) * inv_freq
             rotation_B2R = jnp.stack([jnp.cos(angles_BR), jnp.sin(angles_BR)], axis=1) * rope_scale
-            fused = (cache.start, rotation_B2R, mode == "interpret",
-                     proj is not None)  # o's kernel may combine splits
+            fused_args = (cache.start, rotation_B2R)
+            fused_static = (mode == "interpret", proj is not None)  # o's kernel may combine splits
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
@@ -157,7 +159,6 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     normed_BTD = None
     new_kv = []
     head_VD = params.embed if params.lm_head is None else params.lm_head
-    fused_args, fused_static = (None, None) if fused is None else (fused[:2], fused[2:])
     for i, layer in enumerate(params.layers):
         # What the residual stream feeds next: the next layer's qkv, or after the last layer the
         # lm_head (in a decode step; a prefill's final norm takes its last position only).
