@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import layers as L
 from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
 from jaxllm.model import check_kv_int8, check_tokens, jitted_step, step
 from jaxllm.params import Params
+from jaxllm.quant import QuantizedWeight
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
 from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
 
@@ -38,6 +40,19 @@ STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does
 # default way. JAXLLM_LOOP_GRAPH=0, or XLA_FLAGS naming the option, leave XLA's default too.
 LOOP_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer":
                       "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+# A batch-1 generate of a dense model on a GPU has matrix products only in its prefill (a decode
+# step's are row reductions), where cuBLAS alone was as fast as XLA's pick among cuBLAS and its
+# own Triton GEMMs, whose autotuning compiles dozens of Triton kernels a shape. The 8B shape on
+# an H200 with no compilation cache (bench, one run): 4.27 s to compile against 7.12 and 5.81,
+# a 128-token prefill 6.68 ms against 6.78 and 6.89, a decode step 3.946 ms either way;
+# `--xla_gpu_autotune_level=0` compiled as fast but made that prefill 96.6 ms. A 2048-token
+# prefill with cuBLAS alone: 48.0 ms against 48.8, again 48.3 against 48.2 (earlier runs). Batch
+# 32 keeps XLA's pick (its decode GEMMs are Triton's: 4.853 ms a step against 4.926), and so do
+# MoE models (their decode steps multiply experts as GEMMs; not measured) and int8 weights (a
+# Triton GEMM converts them as it loads; cuBLAS would want each matrix converted to bf16 first).
+# XLA_FLAGS naming the option leave XLA's default. Measured with the option in XLA_FLAGS (every
+# program of the process); as this per-program option it has not yet run on a GPU.
+ONE_ROW_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 class GenerateOutput(NamedTuple):
@@ -153,17 +168,28 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, key, max_new, stop_ids
 
 
 _STATIC = ("cache_length", "steps", "flags", "kv_int8")
-_generate_core = jax.jit(_generate_core_fn, static_argnames=_STATIC, compiler_options=LOOP_GRAPH_OPTIONS)
-_generate_core_host_loop = jax.jit(_generate_core_fn, static_argnames=_STATIC)
+_cores = {(graph, cublas): jax.jit(_generate_core_fn, static_argnames=_STATIC, compiler_options={
+    **(LOOP_GRAPH_OPTIONS if graph else {}), **(ONE_ROW_OPTIONS if cublas else {})} or None)
+    for graph in (True, False) for cublas in (False, True)}
+_generate_core, _generate_core_host_loop = _cores[True, False], _cores[False, False]
 
 
-def _core():
-    """The compiled loop `generate` runs: one graph, unless a trace needs its kernels or the
-    environment says otherwise (see LOOP_GRAPH_OPTIONS)."""
-    if (kernels_visible() or os.environ.get("JAXLLM_LOOP_GRAPH", "1") == "0"
-            or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", "")):
-        return _generate_core_host_loop
-    return _generate_core
+def _core(rows: int = 0, params: Params | None = None):
+    """The compiled loop `generate` runs for `rows` prompts of `params`: one graph, unless a trace
+    needs its kernels or the environment says otherwise (see LOOP_GRAPH_OPTIONS); cuBLAS's GEMMs
+    only for one row of a dense float model on a GPU (see ONE_ROW_OPTIONS)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    graph = not (kernels_visible() or os.environ.get("JAXLLM_LOOP_GRAPH", "1") == "0"
+                 or "xla_gpu_enable_command_buffer" in flags)
+    cublas = (rows == 1 and params is not None and params.config.num_experts == 0
+              and not _quantized(params) and L.gpu_generation() > 0
+              and "xla_gpu_enable_triton_gemm" not in flags)
+    return _cores[graph, cublas]
+
+
+def _quantized(params: Params) -> bool:
+    return any(isinstance(x, QuantizedWeight) for x in
+               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
 
 
 def _is_stop(token, stop_ids):
@@ -199,7 +225,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
     tokens, start, steps, cache_length = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
     stops = params.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
-    core = _core()
+    core = _core(tokens.shape[0], params)
     compiled = compile_count(core)  # to warn when a new shape compiles again
     out, lengths = core(
         params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed), jnp.int32(max_new_tokens),

@@ -1,6 +1,7 @@
 """generate's contract: ragged batches, stop ids, shape buckets, seeds, and its streaming twin."""
 
 import dataclasses
+import importlib
 import json
 import shutil
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 
 import jaxllm
+from jaxllm import layers as L
 from jaxllm.generate import _generate_core, pad_prompts
+from jaxllm.quant import quantize_params
 from tiny_models import hf_greedy, rel_err, random_tokens
 from compile_counting import compilations
 
@@ -193,3 +196,30 @@ def test_a_step_traces_each_kind_of_layer_once(llama, monkeypatch):
         jax.jit(model.step, static_argnames="fresh").trace(
             params, jnp.zeros((1, T), jnp.int32), cache, fresh=fresh)
         assert len(traced) == kinds, (fresh, len(traced))
+
+
+def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkeypatch):
+    """generate.ONE_ROW_OPTIONS: a batch-1 generate of a dense model on a GPU skips the autotuning
+    of XLA's Triton GEMMs (seconds of a cold compile); more rows, MoE models, int8 weights, CPUs
+    and XLA_FLAGS that name the option keep XLA's pick. XLA rejects an option it does not know, so running the
+    one-row program here also checks the option's name, and its tokens are the default's."""
+    gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("JAXLLM_LOOP_GRAPH", raising=False)
+    dense = llama.params
+    moe = dense.replace(config=dataclasses.replace(dense.config, num_experts=4, experts_per_token=2))
+    one_row = gen._cores[True, True]
+    assert gen._core(1, dense) is gen._generate_core  # on this CPU
+    with monkeypatch.context() as m:
+        m.setattr(L, "gpu_generation", lambda: 9)
+        assert gen._core(1, dense) is one_row
+        assert gen._core(2, dense) is gen._generate_core
+        assert gen._core(1, moe) is gen._generate_core
+        assert gen._core(1, quantize_params(dense)) is gen._generate_core
+        m.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+        assert gen._core(1, dense) is gen._generate_core
+    prompt = random_tokens((1, 7), seed=4)
+    want = jaxllm.generate(llama.params, prompt, max_new_tokens=8, eos_token_ids=[]).tokens
+    monkeypatch.setattr(gen, "_core", lambda *a: one_row)
+    got = jaxllm.generate(llama.params, prompt, max_new_tokens=8, eos_token_ids=[]).tokens
+    np.testing.assert_array_equal(got, want)
