@@ -201,8 +201,9 @@ def test_a_step_traces_each_kind_of_layer_once(llama, monkeypatch):
 def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkeypatch):
     """generate.ONE_ROW_OPTIONS: a batch-1 generate of a dense model on a GPU skips the autotuning
     of XLA's Triton GEMMs (seconds of a cold compile); more rows, MoE models, int8 weights, CPUs
-    and XLA_FLAGS that name the option keep XLA's pick. XLA rejects an option it does not know, so running the
-    one-row program here also checks the option's name, and its tokens are the default's."""
+    and XLA_FLAGS that name the option keep XLA's pick. XLA rejects an option it does not know,
+    so running the one-row program here also checks the option's name; its tokens are the
+    default's."""
     gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv("JAXLLM_LOOP_GRAPH", raising=False)
