@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxllm import sharding
 from jaxllm.config import ModelConfig, RopeConfig
 from jaxllm.params import Params, abstract_params, layer_specs, top_specs
-from jaxllm.quant import QuantizedWeight, quantize_params
+from jaxllm.quant import QuantizedWeight, is_quantized, quantize_params
 
 CONFIG_FILE = "jaxllm_config.json"
 FORMAT = 1
@@ -71,11 +71,6 @@ def _from_tree(tree: dict, template: Params) -> Params:
         return dataclasses.replace(obj, **{k: leaf(k, v) for k, v in values.items()})
     layers = [fill(layer, tree["layers"][str(i)]) for i, layer in enumerate(template.layers)]
     return fill(template.replace(layers=layers), {k: v for k, v in tree.items() if k != "layers"})
-
-
-def is_quantized(params: Params) -> bool:
-    return any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
-        params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
 
 
 def save(params: Params, directory: str | os.PathLike) -> Path:

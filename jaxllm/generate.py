@@ -22,7 +22,7 @@ from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
 from jaxllm.model import check_kv_int8, check_tokens, jitted_step, step
 from jaxllm.params import Params
-from jaxllm.quant import QuantizedWeight
+from jaxllm.quant import is_quantized
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
 from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
 
@@ -182,14 +182,9 @@ def _core(rows: int = 0, params: Params | None = None):
     graph = not (kernels_visible() or os.environ.get("JAXLLM_LOOP_GRAPH", "1") == "0"
                  or "xla_gpu_enable_command_buffer" in flags)
     cublas = (rows == 1 and params is not None and params.config.num_experts == 0
-              and not _quantized(params) and L.gpu_generation() > 0
+              and not is_quantized(params) and L.gpu_generation() > 0
               and "xla_gpu_enable_triton_gemm" not in flags)
     return _cores[graph, cublas]
-
-
-def _quantized(params: Params) -> bool:
-    return any(isinstance(x, QuantizedWeight) for x in
-               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
 
 
 def _is_stop(token, stop_ids):

@@ -20,7 +20,7 @@ import numpy as np
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
 from jaxllm.params import Params, from_hf_tensors
-from jaxllm.quant import QUANT_MODES, quantize_params, quantizing_place
+from jaxllm.quant import QUANT_MODES, is_quantized, quantize_params, quantizing_place
 
 CACHE_FORMAT = 1  # bump when the cached conversion changes
 
@@ -68,7 +68,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face checkpoint directory")
     if checkpoint.is_checkpoint(path):  # written by `jaxllm convert`: restored slice by slice
         params = checkpoint.restore(path, dtype=dtype, mesh=mesh, expert_parallel=expert_parallel)
-        if checkpoint.is_quantized(params):  # converted with --quant int8 already
+        if is_quantized(params):  # converted with --quant int8 already
             return params
         return quantize_params(params, quant)  # whole, after the restore: float and int8 at once
     cfg, reader = hf.read_checkpoint(path)

@@ -118,6 +118,12 @@ def quantizing_place(dtype, tied: bool):
     return place
 
 
+def is_quantized(params: Params) -> bool:
+    """Whether any of params' matrices is a `QuantizedWeight`."""
+    return any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+
+
 def quantize_params(params: Params, mode: str = "int8") -> Params:
     """Params with the big matrices as int8 `QuantizedWeight`s (mode "none": unchanged)."""
     if mode not in QUANT_MODES:
@@ -126,8 +132,7 @@ def quantize_params(params: Params, mode: str = "int8") -> Params:
         return params
     if params.tp is not None:
         raise ValueError("int8 quantization of tensor-parallel (sharded) params is not implemented yet")
-    if any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
-            params, is_leaf=lambda x: isinstance(x, QuantizedWeight))):
+    if is_quantized(params):
         raise ValueError("these params are quantized already")
     dtype, tied = params.dtype, params.lm_head is None
 

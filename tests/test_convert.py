@@ -13,6 +13,7 @@ import pytest
 
 import jaxllm
 from jaxllm import checkpoint
+from jaxllm.quant import is_quantized
 
 
 def _du(path) -> int:
@@ -24,7 +25,7 @@ def test_int8_checkpoint_restores_the_same_params_in_far_fewer_bytes(tmp_path):
     f32 = checkpoint.convert(None, tmp_path / "f32", dtype="float32")
     restored = jaxllm.load(q8)
     direct = jaxllm.load(dtype="float32", quant="int8")
-    assert checkpoint.is_quantized(restored)
+    assert is_quantized(restored)
     leaves_a, leaves_b = jax.tree.leaves(restored), jax.tree.leaves(direct)
     assert len(leaves_a) == len(leaves_b)
     for a, b in zip(leaves_a, leaves_b):
