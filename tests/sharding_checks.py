@@ -243,6 +243,27 @@ def check_no_logits_gather() -> str:
     return f"all-gathers of {sorted(set(sizes))} elements (V/tp = {V // tp})"
 
 
+def check_init_sharded() -> str:
+    """Random weights drawn into their shards tensor by tensor hold init_params' values (to the
+    last bit or so: XLA may fuse the scaling differently), split."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm import sharding
+    from jaxllm.config import ModelConfig
+    from jaxllm.params import init_params
+
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,
+                      num_kv_heads=4, head_dim=16, ffn_size=96, max_position_embeddings=256)
+    params = sharding.init_sharded(cfg, jax.random.key(5), sharding.make_mesh(4), jnp.float32)
+    whole = init_params(cfg, jax.random.key(5), jnp.float32)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=0)
+    shards = {s.data.shape for s in params.layers[1].w_down.addressable_shards}
+    assert shards == {(64, 24)}, shards  # F split 4 ways
+    return f"{len(jax.tree.leaves(params))} tensors equal; w_down shards {shards}"
+
+
 def check_70b_abstract() -> str:
     """Llama-3-70B and Mixtral-8x7B shapes sharded 8 ways fit one H200 each, without allocating."""
     import jax
@@ -312,9 +333,9 @@ def check_checkpoint(root: Path) -> str:
 
 
 def check_decode_kernel_sharded(root: Path) -> str:
-    """With the decode kernel switched on, a sharded model still decodes right: the kernel stays
-    out of shard_map (its interpreted form breaks shard_map's varying-axes checks, and it has
-    run on one GPU only), so the sharded step keeps XLA's attention. Qwen3 on 4 devices."""
+    """The Pallas decode-attention kernel (in its interpreter here) runs inside shard_map, on
+    each device's KV heads, and the sharded model decodes the unsharded path's tokens. Qwen3
+    (head norms in the kernel) on 4 devices."""
     import jax
 
     import jaxllm
@@ -322,16 +343,25 @@ def check_decode_kernel_sharded(root: Path) -> str:
 
     path = root / "qwen3"
     ref = _reference(path)
-    kernels.DECODE_ATTENTION = "interpret"
+    calls = []
+    real = kernels.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)  # the device's cache [B, K, S, H]
+        return real(*args, **kwargs)
+
+    kernels.DECODE_ATTENTION, kernels.decode_attention = "interpret", spy
     jax.clear_caches()
     try:
         params = jaxllm.load(path, dtype="float32", mesh=sharding.make_mesh(4))
         out = jaxllm.generate(params, prompts(), max_new_tokens=16, eos_token_ids=())
     finally:
-        kernels.DECODE_ATTENTION = "auto"
+        kernels.DECODE_ATTENTION, kernels.decode_attention = "auto", real
         jax.clear_caches()
+    K = params.config.num_kv_heads
+    assert calls and all(shape[1] == K // 4 for shape in calls), (calls, K)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref.tokens, err_msg="generated tokens differ")
-    return "tokens equal the unsharded path's"
+    return f"tokens equal the unsharded path's; the kernel ran on {K // 4} of {K} KV heads a device"
 
 
 def _checks(root: Path) -> list[tuple[str, object]]:
@@ -339,7 +369,8 @@ def _checks(root: Path) -> list[tuple[str, object]]:
     return checks + [("sampling_and_stream", lambda: check_sampling_and_stream(root)),
                      ("decode_kernel_sharded", lambda: check_decode_kernel_sharded(root)),
                      ("checkpoint", lambda: check_checkpoint(root)),
-                     ("no_logits_gather", check_no_logits_gather), ("abstract_70b", check_70b_abstract)]
+                     ("no_logits_gather", check_no_logits_gather), ("abstract_70b", check_70b_abstract),
+                     ("init_sharded", check_init_sharded)]
 
 
 CHECK_NAMES = [name for name, _ in _checks(Path())]
