@@ -27,6 +27,9 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   peak_bytes_in_use, bytes_in_use, bytes_limit, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
+With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices' together, so the
+roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
+figures are those of the device using the most.
 source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
 """
 
@@ -205,9 +208,10 @@ def _source_hash() -> str:
     return digest.hexdigest()[:12]
 
 
-def _memory() -> dict:
+def _memory(devices: int = 1) -> dict:
     import jax
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = max((d.memory_stats() or {} for d in jax.devices()[:devices]),
+                key=lambda s: s.get("peak_bytes_in_use") or 0)
     return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
                 bytes_limit=stats.get("bytes_limit"))
 
@@ -268,19 +272,21 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         log("bench: generate took no longer than its prefill: too few new tokens to time a decode step")
         decode_s = float("nan")
 
-    matmul_flops = (peaks.get("matmul_tflops") or roofline.H200_BF16_MATMUL_FLOPS / 1e12) * 1e12
+    devices = label["tp"]  # peaks of the devices together
+    matmul_flops = (peaks.get("matmul_tflops") or roofline.H200_BF16_MATMUL_FLOPS / 1e12) * 1e12 * devices
+    peak_bw = DATASHEET_BW * devices
     dtype = params.dtype
     weights = "int8" if args.quant == "int8" else dtype  # the roofline's name for int8 weights
     context = prompt_len + new // 2
     kv_store = "int8" if kv_dtype else dtype
-    dec = roofline.analyze(cfg, batch, context, 1, weights, kv_store, peak_bw=DATASHEET_BW,
+    dec = roofline.analyze(cfg, batch, context, 1, weights, kv_store, peak_bw=peak_bw,
                            peak_flops=matmul_flops, name=label["preset"] or label["model"])
-    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, weights, kv_store, peak_bw=DATASHEET_BW,
+    pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, weights, kv_store, peak_bw=peak_bw,
                            peak_flops=matmul_flops)
     dt, pt = dec["totals"], pre["totals"]
     step_bytes = dt["bytes"]
     achieved = step_bytes / decode_s if decode_s > 0 else float("nan")
-    copy_bw = (peaks.get("copy_tbps") or 0) * 1e12 or None
+    copy_bw = (peaks.get("copy_tbps") or 0) * 1e12 * devices or None
     result = dict(
         label,
         dtype=str(dtype), quant=args.quant, kv_dtype=str(kv_dtype or dtype),
@@ -298,16 +304,16 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         decode_tokens_per_s=batch / decode_s, end_to_end_tokens_per_s=batch * new / generate_s,
         decode_context_mean=context, weight_bytes_per_step=dt["weight_bytes"],
         kv_bytes_per_step=dt["kv_read_bytes"] + dt["kv_write_bytes"], bytes_per_step=step_bytes,
-        achieved_tbps=achieved / 1e12, peak_tbps=DATASHEET_BW / 1e12, pct_peak_bw=100 * achieved / DATASHEET_BW,
+        achieved_tbps=achieved / 1e12, peak_tbps=peak_bw / 1e12, pct_peak_bw=100 * achieved / peak_bw,
         copy_tbps=copy_bw and copy_bw / 1e12, pct_copy_bw=copy_bw and 100 * achieved / copy_bw,
         matmul_tflops=peaks.get("matmul_tflops"),
         decode_roofline_ms=dt["time_lb_s"] * 1e3, pct_of_roofline=100 * dt["time_lb_s"] / decode_s,
         roofline_tokens_per_s=dt["tokens_per_s_lb"],
-        **_memory(), error=None)
+        **_memory(devices), error=None)
 
     log(roofline.format_table(dec))
     log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "
-        f"{achieved / 1e12:.2f} TB/s ({result['pct_peak_bw']:.0f}% of {DATASHEET_BW / 1e12:.1f}"
+        f"{achieved / 1e12:.2f} TB/s ({result['pct_peak_bw']:.0f}% of {peak_bw / 1e12:.1f}"
         + (f", {result['pct_copy_bw']:.0f}% of the measured copy {copy_bw / 1e12:.2f}" if copy_bw else "")
         + f"); {batch / decode_s:.0f} tokens/s in total; prefill {prefill_s * 1e3:.2f} ms "
         f"({result['prefill_tflops']:.0f} TFLOP/s); first call {first_call_s:.2f} s")

@@ -114,6 +114,10 @@ def test_bench_tensor_parallel_on_two_devices(preset, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[0])
     assert r["tp"] == 2 and r["error"] is None and r["decode_tokens_per_s"] > 0
+    # The roofline is two devices reading their shards at once: twice one device's bandwidth.
+    one = roofline.analyze(presets.PRESETS[preset], 2, 8 + 16 // 2, peak_bw=4.8e12)["totals"]
+    assert r["peak_tbps"] == pytest.approx(9.6)
+    assert r["decode_roofline_ms"] == pytest.approx(one["time_lb_s"] * 1e3 / 2, rel=1e-6)
 
 
 def test_bench_int8_kv_cache():
