@@ -2,7 +2,7 @@
 """Check the GPU-only code paths on a GPU, where CI (CPU) cannot: exit 1 if one is off.
 
     python scripts/gpu_check.py [SECTION ...]   # decode_project decode_attention add_norm
-                                                # attention fresh_prefill moe
+                                                # attention fresh_prefill moe sharded
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
@@ -17,7 +17,8 @@
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
   through it (then decode steps reading its cache) against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
-  ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes.
+  ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes;
+- on 2 GPUs or more, models split over two of them (tensor parallel) against one GPU.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
 logits 1.5e-2, MoE 7.2e-3.
 """
@@ -267,13 +268,40 @@ def generate_loop():
           float(not (unsignalled == free).all()), 0)
 
 
+def sharded():
+    """On 2 GPUs or more: 4-layer models of real widths split over two of them (tensor parallel,
+    the decode kernel inside shard_map on each device's KV heads) against the same weights on
+    one GPU: a ragged prefill and 8 decode steps, logits."""
+    if jax.device_count() < 2:
+        print("skip sharded: it needs 2 GPUs, this machine has 1", flush=True)
+        return
+    from jaxllm import sharding
+    from jaxllm.params import init_params
+    step = jax.jit(model.step, static_argnames="fresh")
+    for name in ["qwen3-0.6b", "llama3.2-1b"]:
+        cfg = dataclasses.replace(PRESETS[name], num_layers=4)
+        tokens = jax.random.randint(jax.random.key(2), (3, 256), 0, cfg.vocab_size)
+        start = jnp.asarray([0, 100, 255], jnp.int32)
+        split = sharding.init_sharded(cfg, jax.random.key(3), sharding.make_mesh(2), jnp.bfloat16)
+        whole = init_params(cfg, jax.random.key(3), jnp.bfloat16)  # the same values, on one GPU
+        outs = []
+        for params in (split, whole):
+            logits, cache = step(params, tokens, init_cache(cfg, 3, 320, params.dtype, start), fresh=True)
+            steps = [logits]
+            for t in range(8):
+                logits, cache = step(params, tokens[:, t:t + 1], cache)
+                steps.append(logits)
+            outs.append(jnp.stack(steps, 1))
+        check(f"{name} on 2 GPUs (tensor parallel) vs 1, prefill and 8 steps' logits", rel(*outs), 3e-2)
+
+
 if __name__ == "__main__":
     if jax.default_backend() != "gpu":
         print("gpu_check: no GPU here; these paths run only on one", file=sys.stderr)
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     sections = {f.__name__: f for f in (decode_project, decode_attention, add_norm, attention,
-                                          fresh_prefill, generate_loop, moe)}
+                                          fresh_prefill, generate_loop, moe, sharded)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))
