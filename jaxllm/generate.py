@@ -43,15 +43,14 @@ LOOP_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer":
 # A batch-1 generate of a dense model on a GPU has matrix products only in its prefill (a decode
 # step's are row reductions), where cuBLAS alone was as fast as XLA's pick among cuBLAS and its
 # own Triton GEMMs, whose autotuning compiles dozens of Triton kernels a shape. The 8B shape on
-# an H200 with no compilation cache (bench, one run): 4.27 s to compile against 7.12 and 5.81,
-# a 128-token prefill 6.68 ms against 6.78 and 6.89, a decode step 3.946 ms either way;
-# `--xla_gpu_autotune_level=0` compiled as fast but made that prefill 96.6 ms. A 2048-token
-# prefill with cuBLAS alone: 48.0 ms against 48.8, again 48.3 against 48.2 (earlier runs). Batch
-# 32 keeps XLA's pick (its decode GEMMs are Triton's: 4.853 ms a step against 4.926), and so do
-# MoE models (their decode steps multiply experts as GEMMs; not measured) and int8 weights (a
-# Triton GEMM converts them as it loads; cuBLAS would want each matrix converted to bf16 first).
-# XLA_FLAGS naming the option leave XLA's default. Measured with the option in XLA_FLAGS (every
-# program of the process); as this per-program option it has not yet run on a GPU.
+# an H200 (bench): with no compilation cache, 6.19 s to compile against 7.11 with Triton's
+# GEMMs back (`--xla_gpu_enable_triton_gemm=true`, same run; process-wide in an earlier run,
+# 4.27 s against 7.12 and 5.81); a fresh machine's first call 7.3 s; a 2048-token prefill 47.1
+# ms against 47.8, a decode step unchanged. `--xla_gpu_autotune_level=0` compiled as fast but
+# made a 128-token prefill 96.6 ms. Batch 32 keeps XLA's pick (its decode GEMMs are Triton's:
+# 4.853 ms a step against 4.926), and so do MoE models (their decode steps multiply experts as
+# GEMMs; not measured) and int8 weights (a Triton GEMM converts them as it loads; cuBLAS would
+# want each matrix converted to bf16 first). XLA_FLAGS naming the option leave XLA's default.
 ONE_ROW_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
