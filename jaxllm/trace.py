@@ -6,7 +6,7 @@ trace events) and `perfetto_trace.json.gz` (ui.perfetto.dev). Trace steady-state
 warm up before entering, or let `trace_steady` do it. `summarize(dir)` reads the trace back: the
 top XLA ops by device time (on CPU, by the host threads that run them) with their share, and the
 share of each named scope of the model (prefill/decode, layer_i, attention, mlp, moe, lm_head,
-sampling). The scopes come from the HLO the profiler stores in the xplane file, whose op metadata
+sampling), and of the collectives (a sharded model's all-reduces and all-gathers). The scopes come from the HLO the profiler stores in the xplane file, whose op metadata
 carries the `jax.named_scope` path of every instruction.
 
 `compile_count` / `check_recompile` are the hook around calls of jitted entry points: the first
@@ -168,15 +168,17 @@ class Summary(list):
     """The top ops (a list of `OpTime`), plus the time of every op grouped by named scope.
 
     `scopes` maps each phase (prefill, decode, "other phase") and each block (attention, mlp, moe,
-    lm_head, sampling, "other block") to its share of all op time; `layers` maps layer_i to its.
+    lm_head, sampling, "other block") to its share of all op time; `layers` maps layer_i to its;
+    `collectives` is the share of the ops that move data between devices (`is_collective`).
     """
 
     def __init__(self, ops, *, total_s: float, scopes: dict[str, float], layers: dict[str, float],
-                 source: str, device: bool):
+                 source: str, device: bool, collectives: float = 0.0):
         super().__init__(ops)
         self.total_s = total_s
         self.scopes = scopes
         self.layers = layers
+        self.collectives = collectives
         self.source = source
         self.device = device  # True: GPU/TPU kernel time; False: XLA ops on CPU threads
 
@@ -193,7 +195,24 @@ class Summary(list):
         if self.layers:
             hot = sorted(self.layers.items(), key=lambda kv: -kv[1])[:3]
             out.append("  hottest layers: " + ", ".join(f"{k} {v:.1%}" for k, v in hot))
+        if self.collectives:
+            out.append(f"  collectives (all-reduce, all-gather, ...): {self.collectives:.1%} "
+                       f"({_fmt_s(self.collectives * self.total_s)})")
         return "\n".join(out)
+
+
+# A sharded model's collectives: their HLO opcodes, and the JAX primitives whose names end the
+# scope of what XLA made of them (on a GPU a small all-reduce is a fusion running XLA's own
+# one-shot kernel, named after the psum, e.g. `psum.96.0-fusion.1`, not an all-reduce op).
+_COLLECTIVE_OPCODES = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                                 r"collective-permute|collective-broadcast|ragged-all-to-all)(-start|-done)?$")
+_COLLECTIVE_SCOPES = {"psum", "pmax", "pmin", "all_gather", "psum_scatter", "reduce_scatter",
+                      "all_to_all", "ppermute", "ragged_all_to_all"}
+
+
+def is_collective(opcode: str, scope: str) -> bool:
+    """Whether an op (HLO opcode, named-scope path) moves data between devices."""
+    return bool(_COLLECTIVE_OPCODES.match(opcode)) or scope.rsplit("/", 1)[-1] in _COLLECTIVE_SCOPES
 
 
 PHASES = ("prefill", "decode")
@@ -237,9 +256,11 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
         raise ValueError(f"no XLA op events in the trace at {trace_dir}: was anything run inside it?")
     scoped: dict[str, float] = collections.defaultdict(float)
     layers: dict[str, float] = collections.defaultdict(float)
-    rows = []
+    rows, collectives = [], 0.0
     for (module, op), secs in times.items():
         scope = module.scope(op) if module else ""
+        if is_collective(module.opcode(op) if module else "", scope):
+            collectives += secs / total
         parts = scope.split("/") if scope else []
         scoped[next((p for p in parts if p in PHASES), "other phase")] += secs / total
         scoped[next((p for p in reversed(parts) if p in BLOCKS), "other block")] += secs / total
@@ -249,7 +270,8 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
         rows.append(OpTime(op, secs, secs / total, scope))
     rows.sort(key=lambda r: -r.seconds)
     return Summary(rows if top is None else rows[:top], total_s=total, scopes=dict(scoped),
-                   layers=dict(layers), source=str(json_files[0].parent), device=device)
+                   layers=dict(layers), source=str(json_files[0].parent), device=device,
+                   collectives=collectives)
 
 
 def _fmt_s(s: float) -> str:

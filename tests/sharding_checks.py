@@ -264,6 +264,29 @@ def check_init_sharded() -> str:
     return f"{len(jax.tree.leaves(params))} tensors equal; w_down shards {shards}"
 
 
+def check_trace_collectives(root: Path) -> str:
+    """A trace of a sharded generate: the summary gives the collectives their share, by name."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxllm
+    from jaxllm import sharding
+    from jaxllm.config import ModelConfig
+    from jaxllm.trace import trace_steady
+
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,
+                      num_kv_heads=4, head_dim=16, ffn_size=96, max_position_embeddings=256)
+    params = sharding.init_sharded(cfg, jax.random.key(1), sharding.make_mesh(4), jnp.float32)
+    info = trace_steady(lambda: jaxllm.generate(params, [[3, 1, 4, 1, 5]], max_new_tokens=4),
+                        root / "trace")
+    summary = info.summary(top=None)
+    psums = [op for op in summary if op.scope.endswith("psum")]
+    assert psums and 0 < summary.collectives < 1, (summary.collectives, [op.name for op in summary][:20])
+    assert summary.collectives >= sum(op.share for op in psums) - 1e-9
+    assert "collectives" in str(summary)
+    return f"collectives {summary.collectives:.1%} of op time; {len(psums)} psum ops"
+
+
 def check_70b_abstract() -> str:
     """Llama-3-70B and Mixtral-8x7B shapes sharded 8 ways fit one H200 each, without allocating."""
     import jax
@@ -370,7 +393,8 @@ def _checks(root: Path) -> list[tuple[str, object]]:
                      ("decode_kernel_sharded", lambda: check_decode_kernel_sharded(root)),
                      ("checkpoint", lambda: check_checkpoint(root)),
                      ("no_logits_gather", check_no_logits_gather), ("abstract_70b", check_70b_abstract),
-                     ("init_sharded", check_init_sharded)]
+                     ("init_sharded", check_init_sharded),
+                     ("trace_collectives", lambda: check_trace_collectives(root))]
 
 
 CHECK_NAMES = [name for name, _ in _checks(Path())]

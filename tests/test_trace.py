@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxllm
-from jaxllm.trace import RecompileWarning, kernel_view, summarize, trace, trace_steady
+from jaxllm.trace import RecompileWarning, is_collective, kernel_view, summarize, trace, trace_steady
 from compile_counting import compilations
 
 gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
@@ -76,11 +76,21 @@ def test_summary_lists_real_ops_with_their_scopes(traced):
         assert every.scopes.get(key, 0) > 0, key
     assert sum(every.scopes.get(k, 0) for k in ("prefill", "decode", "other phase")) == pytest.approx(1.0)
     assert set(every.layers) == {"layer_0", "layer_1"}
+    assert every.collectives == 0 and "collectives" not in str(every)  # one device: none
 
     top = summarize(traced.log_dir, top=5)
     assert [op.name for op in top] == [op.name for op in every[:5]]
     text = str(top)
     assert top[0].name in text and "attention" in text and "%" in text
+
+
+def test_collectives_are_told_by_opcode_or_by_the_primitive_ending_their_scope():
+    # On a GPU a small all-reduce is a fusion named after its psum, running XLA's one-shot kernel.
+    assert is_collective("fusion", "decode/shard_map/layer_0/attention/psum")
+    assert is_collective("all-gather-start", "")
+    assert is_collective("all-reduce", "prefill/shard_map/psum")
+    assert not is_collective("fusion", "decode/shard_map/layer_0/mlp/mul")
+    assert not is_collective("fusion", "decode/layer_0/psum_like/add")
 
 
 def test_programs_of_one_name_are_told_apart(tmp_path):
