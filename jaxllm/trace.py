@@ -4,10 +4,11 @@
 `dir/plugins/profile/<timestamp>/`: `*.xplane.pb` (TensorBoard / XProf), `*.trace.json.gz` (Chrome
 trace events) and `perfetto_trace.json.gz` (ui.perfetto.dev). Trace steady-state work: compile and
 warm up before entering, or let `trace_steady` do it. `summarize(dir)` reads the trace back: the
-top XLA ops by device time (on CPU, by the host threads that run them) with their share, and the
+top XLA ops by device time (on CPU, by the host threads that run them) with their share, the
 share of each named scope of the model (prefill/decode, layer_i, attention, mlp, moe, lm_head,
-sampling), and of the collectives (a sharded model's all-reduces and all-gathers). The scopes come from the HLO the profiler stores in the xplane file, whose op metadata
-carries the `jax.named_scope` path of every instruction.
+sampling) and that of the collectives (a sharded model's all-reduces and all-gathers). The scopes
+come from the HLO the profiler stores in the xplane file, whose op metadata carries the
+`jax.named_scope` path of every instruction.
 
 `compile_count` / `check_recompile` are the hook around calls of jitted entry points: the first
 compilation of a function for a model is expected, each later new shape gets one
@@ -204,8 +205,8 @@ class Summary(list):
 # A sharded model's collectives: their HLO opcodes, and the JAX primitives whose names end the
 # scope of what XLA made of them (on a GPU a small all-reduce is a fusion running XLA's own
 # one-shot kernel, named after the psum, e.g. `psum.96.0-fusion.1`, not an all-reduce op).
-_COLLECTIVE_OPCODES = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                                 r"collective-permute|collective-broadcast|ragged-all-to-all)(-start|-done)?$")
+_COLLECTIVE_OPCODES = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|"
+                                 r"collective-broadcast|ragged-all-to-all)(-start|-done)?$")
 _COLLECTIVE_SCOPES = {"psum", "pmax", "pmin", "all_gather", "psum_scatter", "reduce_scatter",
                       "all_to_all", "ppermute", "ragged_all_to_all"}
 
