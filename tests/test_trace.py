@@ -90,7 +90,7 @@ def test_collectives_are_told_by_opcode_or_by_the_primitive_ending_their_scope()
     assert is_collective("all-gather-start", "")
     assert is_collective("all-reduce", "prefill/shard_map/psum")
     assert not is_collective("fusion", "decode/shard_map/layer_0/mlp/mul")
-    assert not is_collective("fusion", "decode/layer_0/psum_like/add")
+    assert not is_collective("fusion", "decode/layer_0/mlp/psum_like")  # the primitive's whole name
 
 
 def test_programs_of_one_name_are_told_apart(tmp_path):
