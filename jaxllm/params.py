@@ -19,6 +19,7 @@ axis major, the H200 measured 2 TB/s instead of ~3.8, and XLA transposed wo insi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -171,18 +172,34 @@ def _assemble(cfg: ModelConfig, make: Callable[[str, ParamSpec], Any]) -> Params
                   lm_head=top.get("lm_head"), config=cfg)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
-    """Random weights of the config's shapes (benchmarks, tests): normal(0, scale) matrices."""
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, scale: float = 0.02, *,
+                sharding_of: Callable[[str], Any] | None = None) -> Params:
+    """Random weights of the config's shapes (benchmarks, tests): normal(0, scale) matrices.
+
+    `sharding_of(path)`: the sharding of each parameter (see `sharding.init_sharded`); each is
+    then drawn straight into its shards by a program of its own, with the same values.
+    """
     counter = iter(range(1 << 30))
 
     def make(path, s: ParamSpec):
-        if s.init == "ones":
-            return jnp.ones(s.shape, dtype)
-        if s.init == "zeros":
-            return jnp.zeros(s.shape, dtype)
-        return (scale * jax.random.normal(jax.random.fold_in(key, next(counter)), s.shape,
-                                          jnp.float32)).astype(dtype)
+        key_i = jax.random.fold_in(key, next(counter)) if s.init == "normal" else None
+        if sharding_of is None:
+            return _init_tensor(s.init, s.shape, dtype, key_i, scale)
+        return _init_jit(s.init, s.shape, jnp.dtype(dtype), sharding_of(path))(key_i, scale)
     return _assemble(cfg, make)
+
+
+def _init_tensor(init: str, shape, dtype, key, scale: float):
+    if init == "ones":
+        return jnp.ones(shape, dtype)
+    if init == "zeros":
+        return jnp.zeros(shape, dtype)
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@functools.cache
+def _init_jit(init: str, shape, dtype, out_sharding):
+    return jax.jit(functools.partial(_init_tensor, init, shape, dtype), out_shardings=out_sharding)
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:

@@ -28,7 +28,6 @@ A mesh may also have a "data" axis: the batch splits over it and the params are 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable
 
@@ -39,7 +38,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.cache import KVCache
 from jaxllm.config import ModelConfig
-from jaxllm.params import Params, _Axes, _assemble, abstract_params, from_hf_tensors, layer_specs, \
+from jaxllm.params import Params, _Axes, abstract_params, from_hf_tensors, init_params, layer_specs, \
     logical_axes, top_specs
 
 TP = "tp"
@@ -249,25 +248,8 @@ def init_sharded(cfg: ModelConfig, key: jax.Array, mesh: Mesh, dtype=jnp.bfloat1
     the whole model took 55 s for the 8B shape on two H200s; tensor by tensor 4-6 s.)"""
     layout, tp = plan(cfg, mesh, expert_parallel)
     axes = _axes_by_path(layout)
-    counter = iter(range(1 << 30))  # init_params' order: one key per normal tensor
-
-    def make(path: str, s):
-        out = NamedSharding(mesh, _spec(tp, axes[path]))
-        if s.init in ("ones", "zeros"):
-            return _constant(s.shape, jnp.dtype(dtype), 1.0 if s.init == "ones" else 0.0, out)()
-        return _normal(s.shape, jnp.dtype(dtype), out)(jax.random.fold_in(key, next(counter)), scale)
-    return _assemble(layout, make).replace(tp=tp)
-
-
-@functools.cache
-def _constant(shape, dtype, value: float, out: NamedSharding):
-    return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=out)
-
-
-@functools.cache
-def _normal(shape, dtype, out: NamedSharding):
-    return jax.jit(lambda key, scale: (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
-                   out_shardings=out)
+    return init_params(layout, key, dtype, scale,
+                       sharding_of=lambda path: NamedSharding(mesh, _spec(tp, axes[path]))).replace(tp=tp)
 
 
 def per_device_bytes(params: Params) -> int:
