@@ -181,8 +181,8 @@ def _core(rows: int = 0, params: Params | None = None):
     graph = not (kernels_visible() or os.environ.get("JAXLLM_LOOP_GRAPH", "1") == "0"
                  or "xla_gpu_enable_command_buffer" in flags)
     cublas = (rows == 1 and params is not None and params.config.num_experts == 0
-              and not is_quantized(params) and L.gpu_generation() > 0
-              and "xla_gpu_enable_triton_gemm" not in flags)
+              and L.gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags
+              and not is_quantized(params))  # the tree walk last, on GPUs only
     return _cores[graph, cublas]
 
 
