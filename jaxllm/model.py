@@ -171,10 +171,11 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
         next_takes = proj is not None and kernels.project_takes(next_w, proj, biased=next_bias)
+        ahead_w = next_w if proj and kernels.prefetched(next_w) else None  # (else a retrace)
         with jax.named_scope(f"layer_{i}"):
             x_BTD, normed_BTD, kv = _block(
                 layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
-                unroll_BT, fused_args, next_norm, cfg=cfg, window=window, moe=cfg.is_moe(i),
+                unroll_BT, fused_args, next_norm, ahead_w, cfg=cfg, window=window, moe=cfg.is_moe(i),
                 proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
                 fused_static=fused_static, next_takes=next_takes)
         new_kv.append(kv)
@@ -191,15 +192,17 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
 @partial(jax.jit, inline=True, static_argnames=(
     "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes"))
 def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
-           unroll_BT, fused_args, next_norm, *, cfg: ModelConfig, window, moe: bool, proj, fuse,
-           rope_scale, axis, fused_static, next_takes: bool):
+           unroll_BT, fused_args, next_norm, next_w, *, cfg: ModelConfig, window, moe: bool, proj,
+           fuse, rope_scale, axis, fused_static, next_takes: bool):
     """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
     through `next_norm` where `kernels.add_norm` made it, else None.
 
     Jitted and inlined: layers of one shape trace once, and their equations are copied into the
     step (a step traced each of its 32 layers, about a second of a warm-cache first call for the
     8B shape). `next_takes`: whatever comes next (the next qkv or the lm_head) takes `project`'s
-    kernel, which folds `next_norm` in itself. The rest is as `_hidden` computes it.
+    kernel, which folds `next_norm` in itself. Each of the projections' kernels asks L2 for the
+    matrix read next (`kernels.prefetched`), the down projection's for `next_w` (that one, or
+    None). The rest is as `_hidden` computes it.
     """
     eps = cfg.rms_norm_eps
     fused = None if fused_args is None else (*fused_args, *fused_static)
@@ -207,16 +210,16 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
         if normed_BTD is None:
             qkv_BTKJH = _project(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
-                                 bias_N=bias)
+                                 bias_N=bias, prefetch=(layer.wo,))
         else:
-            qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias)
+            qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias, prefetch=(layer.wo,))
         heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, cursor,
                                          mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
         ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
         if proj:  # with the FFN in project's kernel (which folds the norm in), o's
             wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)  # kernel adds the residual
             out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
-                               residual=x_BTD if ffn_kernel else None)
+                               residual=x_BTD if ffn_kernel else None, prefetch=(layer.w_gate_up,))
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
         x_BTD, normed_BTD = (out_BTD, None) if ffn_kernel else \
@@ -225,8 +228,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         folds = ffn_kernel and next_takes
         if ffn_kernel:
             act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm, eps=eps,
-                               swiglu=True)
-            out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None)
+                               swiglu=True, prefetch=(layer.w_down,))
+            out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
+                               prefetch=(next_w,))
         else:
             if normed_BTD is None:
                 normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)

@@ -267,6 +267,16 @@ def generate_loop():
     check("generate with kernels signalling their dependents early, a token differs (1 = yes)",
           float(not (unsignalled == free).all()), 0)
 
+    # The projections' kernels ask L2 for the next projection's weights (kernels.prefetched): a
+    # hint, so the tokens must not change without it.
+    ahead, kernels.PREFETCH_MAX_BYTES = kernels.PREFETCH_MAX_BYTES, 0
+    jax.clear_caches()
+    unfetched = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
+    kernels.PREFETCH_MAX_BYTES = ahead
+    jax.clear_caches()
+    check("generate with the projections prefetching weights into L2, a token differs (1 = yes)",
+          float(not (unfetched == free).all()), 0)
+
 
 def sharded():
     """On 2 GPUs or more: 4-layer models of real widths split over two of them (tensor parallel,

@@ -267,6 +267,61 @@ def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(mon
     assert len(tiles) == 2
 
 
+def test_projections_ask_l2_for_the_matrix_read_next(monkeypatch, project_mode, tiny):
+    """A batch-1 step's projection kernels each ask L2 for the matrix the step reads next: qkv's
+    for o's, o's for gate/up, gate/up's for down, down's for the next layer's qkv, the last
+    layer's for the lm_head (kernels.prefetched says which; here every matrix)."""
+    from jaxllm import model
+    asks, real = [], kernels.project
+    monkeypatch.setattr(kernels, "project", lambda x, w, **k: asks.append(
+        (w.shape, [a.shape for a in k.get("prefetch", ()) if a is not None])) or real(x, w, **k))
+    monkeypatch.setattr(kernels, "prefetched", lambda w: w is not None)
+    params = tiny("llama").params
+    layer, head = params.layers[0], params.embed if params.lm_head is None else params.lm_head
+    cache = init_cache(params.config, 1, 16, jnp.float32)
+    jax.clear_caches()
+    jax.jit(model.step).trace(params, jnp.zeros((1, 1), jnp.int32), cache)
+    jax.clear_caches()
+    D = params.config.hidden_size
+    reads = [(-1, D), (D, -1), layer.w_gate_up.shape, layer.w_down.shape]  # as `project` gets them
+    want = [layer.wo.shape, layer.w_gate_up.shape, layer.w_down.shape]
+    # Layers of one kind trace once: the first layer's kind, then the last one's, then the lm_head.
+    assert [asked for _, asked in asks] == (
+        [[s] for s in want + [layer.wqkv.shape]] + [[s] for s in want + [head.shape]] + [[]])
+    for (shape, _), read in zip(asks, 2 * reads):
+        assert len(shape) == len(read) and all(r in (-1, n) for r, n in zip(read, shape))
+
+
+def test_prefetch_rules_and_its_lowering(monkeypatch):
+    """Matrices of at most PREFETCH_MAX_BYTES are asked for (int8 ones by their bytes), on a GPU
+    from Hopper on; the ask lowers to Hopper's bulk L2 prefetch inside the Triton kernel, through
+    JAX's Pallas Triton lowering rules (internals: this fails if they change)."""
+    assert kernels._PREFETCH_P is not None
+    limit = kernels.PREFETCH_MAX_BYTES
+    assert limit == 4 * 2**20
+    small, large = jnp.zeros((1024, 2048), jnp.bfloat16), jnp.zeros((1024, 2049), jnp.bfloat16)
+    assert not kernels.prefetched(small)  # no GPU here
+    monkeypatch.setattr(L, "gpu_generation", lambda: 9)
+    assert kernels.prefetched(small) and not kernels.prefetched(large)
+    assert kernels.prefetched(quantize(large.astype(jnp.float32))) and not kernels.prefetched(None)
+    monkeypatch.setattr(kernels, "PREFETCH_MAX_BYTES", 0)
+    assert not kernels.prefetched(small)
+    monkeypatch.setattr(L, "gpu_generation", lambda: 8)
+    monkeypatch.setattr(kernels, "PREFETCH_MAX_BYTES", limit)
+    assert not kernels.prefetched(small)
+
+    def lowered(*ahead):
+        call = lambda x, w, *a: kernels._project_kernel_call(
+            x, w, None, None, None, a, eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
+            rows=4, chunk=1024, warps=4, interpret=False)
+        args = [jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), *ahead]
+        return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "cp.async.bulk.prefetch.L2" in lowered(jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16))
+    assert "cp.async.bulk.prefetch.L2" not in lowered()
+
+
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
 def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kernel_mode,
                                                               project_mode, tiny, name):
