@@ -10,7 +10,8 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 (SmolLM2), 19.3 against 24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`).
-On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`).
+On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
+asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`).
 """
 
 import functools
@@ -606,18 +607,21 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 # starts reading its weights only once the kernel ahead has ended, so the memory idles through
 # every launch, ramp and tail. `project`'s kernel therefore asks L2 for the next projection's
 # matrix as its programs finish, with Hopper's bulk prefetch (cp.async.bulk.prefetch.L2, sm_90):
-# one instruction a lane, no registers held, no completion awaited. Pallas has no prefetch and
+# one instruction a lane, no registers held (yet the kernel ends only once what it asked for has
+# come, as the trace below shows). Pallas has no prefetch and
 # its refs' addresses are not values, so a small primitive does it, lowered through Pallas'
 # Triton lowering rules (JAX internals: where they are missing, nothing is prefetched).
-# On an H200 (bench, batch 1, same runs) SmolLM2 took 0.4432 ms a step against 0.4800 (2256
-# tok/s against 2083), in another run 0.4485 against 0.4821. Larger matrices lost, however
-# early they were asked for: every matrix whatever its size, asked for one kernel ahead,
-# Qwen3-0.6B 0.774-0.794 against 0.694-0.703, Llama-3.2-1B 0.920 against 0.820, the 8B shape in
-# int8 3.286 against 2.673; two kernels ahead 0.697 (unchanged), 0.860 and 2.859; asked at the
-# programs' start rather than after their own sums, 0.745-0.752 (Qwen3-0.6B) and 3.063 (int8).
-# So only matrices of at most PREFETCH_MAX_BYTES are asked for (SmolLM2's all, Qwen3-0.6B's o
-# projection: 0.6983 and 0.6954 against 0.6951 and 0.6982). JAXLLM_PREFETCH_MAX_MB sets it; 0
-# turns prefetching off.
+# On an H200 (bench, batch 1, same run) SmolLM2 took 0.4448 and 0.4436 ms a step against 0.4861
+# and 0.4878 without (2254 tok/s against 2050). Larger matrices lost, however early they were
+# asked for: every matrix asked for one kernel ahead, Qwen3-0.6B 0.774-0.794 against 0.694-0.703,
+# Llama-3.2-1B 0.920 against 0.820, the 8B shape in int8 3.286 against 2.673; two kernels ahead
+# 0.697 (unchanged), 0.860 and 2.859; asked at the programs' start rather than after their own
+# sums, 0.745-0.752 (Qwen3-0.6B) and 3.063 (int8). In a trace, a kernel that asks lasts until
+# what it asked for has come (Qwen3-0.6B's gate/up, asking for down's 6.3 MB: 11.2 us against
+# 9.4), and a kernel reading 8-12 MB from L2 is hardly faster (its qkv: 8.2 us against 8.5);
+# SmolLM2's, a load or two a program, all gained (3.8-5.4 us against 4.7-5.7). So only matrices
+# of at most PREFETCH_MAX_BYTES are asked for (SmolLM2's all; Qwen3-0.6B's o projection only:
+# 0.6965 against 0.7004). JAXLLM_PREFETCH_MAX_MB sets it; 0 turns prefetching off.
 PREFETCH_MAX_BYTES = int(float(os.environ.get("JAXLLM_PREFETCH_MAX_MB", "4")) * 2**20)
 PREFETCH_PIECE = 4096  # the least bytes one lane asks for
 # Only a kernel's last programs ask (two a multiprocessor), as its own reads wind down.
