@@ -620,8 +620,12 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 # what it asked for has come (Qwen3-0.6B's gate/up, asking for down's 6.3 MB: 11.2 us against
 # 9.4), and a kernel reading 8-12 MB from L2 is hardly faster (its qkv: 8.2 us against 8.5);
 # SmolLM2's, a load or two a program, all gained (3.8-5.4 us against 4.7-5.7). So only matrices
-# of at most PREFETCH_MAX_BYTES are asked for (SmolLM2's all; Qwen3-0.6B's o projection only:
-# 0.6965 against 0.7004). JAXLLM_PREFETCH_MAX_MB sets it; 0 turns prefetching off.
+# of at most PREFETCH_MAX_BYTES are asked for: SmolLM2's all; Qwen3-0.6B's o projection only
+# (0.6965 against 0.7004), but in int8 its qkv, o and down too, 0.6313 and 0.6338 ms against
+# 0.6907 and 0.6953 (1584 tok/s against 1448; SmolLM2 in int8 unchanged, 0.4524 against
+# 0.4508). At 8 MB Qwen3-0.6B lost (0.7355 and 0.7326 against 0.7004 and 0.7041, 4 MB 0.6973
+# and 0.6970, same run), Llama-3.2-1B too (0.883 against 0.820-0.824).
+# JAXLLM_PREFETCH_MAX_MB sets it; 0 turns prefetching off.
 PREFETCH_MAX_BYTES = int(float(os.environ.get("JAXLLM_PREFETCH_MAX_MB", "4")) * 2**20)
 PREFETCH_PIECE = 4096  # the least bytes one lane asks for
 # Only a kernel's last programs ask (two a multiprocessor), as its own reads wind down.
