@@ -171,7 +171,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
         next_takes = proj is not None and kernels.project_takes(next_w, proj, biased=next_bias)
-        ahead_w = next_w if proj and kernels.prefetched(next_w) else None  # (else a retrace)
+        # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
+        # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
+        ahead_w = next_w if proj and kernels.prefetched(next_w) else None
         with jax.named_scope(f"layer_{i}"):
             x_BTD, normed_BTD, kv = _block(
                 layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
