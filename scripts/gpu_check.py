@@ -257,25 +257,25 @@ def generate_loop():
         check(f"generate row {b} stops at its stop id (length {n}, wanted {want}; 1 = wrong)",
               float(not ok), 0)
 
+    def tokens_without(switch: str, off):
+        """generate's tokens with kernels.`switch` set to `off`, jit caches cleared around."""
+        saved = getattr(kernels, switch)
+        setattr(kernels, switch, off)
+        jax.clear_caches()
+        try:
+            return np.asarray(jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
+        finally:
+            setattr(kernels, switch, saved)
+            jax.clear_caches()
+
     # Our kernels let the next one launch early (kernels.PDL_TRIGGER); a kernel that then read its
     # input before the one ahead had written it would change the tokens.
-    signalled, kernels.PDL_TRIGGER = kernels.PDL_TRIGGER, False
-    jax.clear_caches()
-    unsignalled = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
-    kernels.PDL_TRIGGER = signalled
-    jax.clear_caches()
     check("generate with kernels signalling their dependents early, a token differs (1 = yes)",
-          float(not (unsignalled == free).all()), 0)
-
+          float(not (tokens_without("PDL_TRIGGER", False) == free).all()), 0)
     # The projections' kernels ask L2 for the next projection's weights (kernels.prefetched): a
     # hint, so the tokens must not change without it.
-    ahead, kernels.PREFETCH_MAX_BYTES = kernels.PREFETCH_MAX_BYTES, 0
-    jax.clear_caches()
-    unfetched = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
-    kernels.PREFETCH_MAX_BYTES = ahead
-    jax.clear_caches()
     check("generate with the projections prefetching weights into L2, a token differs (1 = yes)",
-          float(not (unfetched == free).all()), 0)
+          float(not (tokens_without("PREFETCH_MAX_BYTES", 0) == free).all()), 0)
 
 
 def sharded():
