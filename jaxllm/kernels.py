@@ -606,19 +606,19 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 # L2 prefetch. A batch-1 decode step of a small model is a chain of short kernels, each of which
 # starts reading its weights only once the kernel ahead has ended, so the memory idles through
 # every launch, ramp and tail. `project`'s kernel therefore asks L2 for the next projection's
-# matrix as its programs finish, with Hopper's bulk prefetch (cp.async.bulk.prefetch.L2, sm_90):
-# one instruction a lane, no registers held (yet the kernel ends only once what it asked for has
-# come, as the trace below shows). Pallas has no prefetch and
-# its refs' addresses are not values, so a small primitive does it, lowered through Pallas'
-# Triton lowering rules (JAX internals: where they are missing, nothing is prefetched).
+# matrix, each program once its own sums are made, with Hopper's bulk prefetch
+# (cp.async.bulk.prefetch.L2, sm_90): one instruction a lane, no registers held. Pallas has no
+# prefetch and its refs' addresses are not values, so a small primitive does it, lowered through
+# Pallas' Triton lowering rules (JAX internals: where they are missing, nothing is prefetched).
 # On an H200 (bench, batch 1, same run) SmolLM2 took 0.4448 and 0.4436 ms a step against 0.4861
 # and 0.4878 without (2254 tok/s against 2050). Larger matrices lost, however early they were
 # asked for: every matrix asked for one kernel ahead, Qwen3-0.6B 0.774-0.794 against 0.694-0.703,
 # Llama-3.2-1B 0.920 against 0.820, the 8B shape in int8 3.286 against 2.673; two kernels ahead
 # 0.697 (unchanged), 0.860 and 2.859; asked at the programs' start rather than after their own
-# sums, 0.745-0.752 (Qwen3-0.6B) and 3.063 (int8). In a trace, a kernel that asks lasts until
-# what it asked for has come (Qwen3-0.6B's gate/up, asking for down's 6.3 MB: 11.2 us against
-# 9.4), and a kernel reading 8-12 MB from L2 is hardly faster (its qkv: 8.2 us against 8.5);
+# sums, 0.745-0.752 (Qwen3-0.6B) and 3.063 (int8). In a trace, a kernel that asks lasts longer
+# by about the time the memory takes to bring what it asked for (Qwen3-0.6B's gate/up, asking
+# for down's 6.3 MB: 11.2 us against 9.4, 6.3 MB at 3.4 TB/s), and a kernel reading 8-12 MB
+# from L2 is hardly faster (its qkv: 8.2 us against 8.5);
 # SmolLM2's, a load or two a program, all gained (3.8-5.4 us against 4.7-5.7). So only matrices
 # of at most PREFETCH_MAX_BYTES are asked for: SmolLM2's all; Qwen3-0.6B's o projection only
 # (0.6965 against 0.7004), but in int8 its qkv, o and down too, 0.6313 and 0.6338 ms against
@@ -628,8 +628,13 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 # JAXLLM_PREFETCH_MAX_MB sets it; 0 turns prefetching off.
 PREFETCH_MAX_BYTES = int(float(os.environ.get("JAXLLM_PREFETCH_MAX_MB", "4")) * 2**20)
 PREFETCH_PIECE = 4096  # the least bytes one lane asks for
-# Only a kernel's last programs ask (two a multiprocessor), as its own reads wind down.
-PREFETCH_ASKERS_PER_MULTIPROCESSOR = 2
+# Pieces go to lanes as measured above: lane t of program p (of P) asks for piece
+# t*A + p - (P - A), where that piece exists, A being this many times the multiprocessor count
+# (or P, if fewer). So each piece is asked for by one lane in every A-th program, the first ask
+# early in the kernel, the last among its last A programs; a repeated ask finds the piece on its
+# way or in L2. (Asks from the last A programs only, what this was written to do, were not
+# measured.)
+PREFETCH_STRIDE_PER_MULTIPROCESSOR = 2
 
 _PREFETCH_ASM = """{
 .reg .pred p;
@@ -679,13 +684,14 @@ def prefetched(w) -> bool:
 
 
 def _prefetch(ref, programs: int, lanes: int, after):
-    """Ask L2 for all of the flat ref, a piece a lane of the kernel's last programs (of
-    `programs`); `after`, a float the program computed, holds the asks back until it is made."""
+    """Ask L2 for all of the flat ref, in pieces dealt to the lanes of the kernel's `programs`
+    (see PREFETCH_STRIDE_PER_MULTIPROCESSOR); `after`, a float the program computed, holds the
+    asks back until it is made."""
     nbytes = ref.shape[0] * jnp.dtype(ref.dtype).itemsize // 16 * 16  # bulk sizes are of 16s
-    askers = min(programs, PREFETCH_ASKERS_PER_MULTIPROCESSOR * _multiprocessors())
-    piece = max(PREFETCH_PIECE, -(-nbytes // (askers * lanes)) // 16 * 16 + 16)
-    q = jnp.arange(lanes, dtype=jnp.int32) * askers + pl.program_id(0) - (programs - askers)
-    counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: not an asker
+    stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * _multiprocessors())
+    piece = max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
+    q = jnp.arange(lanes, dtype=jnp.int32) * stride + pl.program_id(0) - (programs - stride)
+    counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: no piece
     counts = jnp.where(jnp.isnan(after), 0, counts)  # never true for a sum made; but it waits
     offsets = jnp.where(counts > 0, q * (piece // jnp.dtype(ref.dtype).itemsize), 0)
     _PREFETCH_P.bind(ref, offsets, counts)
