@@ -217,6 +217,14 @@ def check_sampling_and_stream(root: Path) -> str:
     return "sampled and streamed tokens equal"
 
 
+def _tiny_llama(vocab_size: int = 256, num_layers: int = 2):
+    """A small Llama config whose heads, KV heads and FFN split 4 ways."""
+    from jaxllm.config import ModelConfig
+    return ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=64,
+                       num_layers=num_layers, num_heads=8, num_kv_heads=4, head_dim=16, ffn_size=96,
+                       max_position_embeddings=256)
+
+
 def check_no_logits_gather() -> str:
     """Greedy generation over a vocab-split lm_head never gathers [B, V] logits to one device."""
     import jax
@@ -224,13 +232,11 @@ def check_no_logits_gather() -> str:
 
     import jaxllm
     from jaxllm import sharding
-    from jaxllm.config import ModelConfig
     from jaxllm.sampling import SamplingConfig
 
     gen = sys.modules["jaxllm.generate"]
     V, tp, B = 8192, 4, 2
-    cfg = ModelConfig(model_type="llama", vocab_size=V, hidden_size=64, num_layers=1, num_heads=8,
-                      num_kv_heads=4, head_dim=16, ffn_size=96, max_position_embeddings=256)
+    cfg = _tiny_llama(vocab_size=V, num_layers=1)
     params = sharding.init_sharded(cfg, jax.random.key(0), sharding.make_mesh(tp), jnp.float32)
     s = SamplingConfig()
     hlo = gen._generate_core.lower(
@@ -250,11 +256,9 @@ def check_init_sharded() -> str:
     import jax.numpy as jnp
 
     from jaxllm import sharding
-    from jaxllm.config import ModelConfig
     from jaxllm.params import init_params
 
-    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,
-                      num_kv_heads=4, head_dim=16, ffn_size=96, max_position_embeddings=256)
+    cfg = _tiny_llama()
     params = sharding.init_sharded(cfg, jax.random.key(5), sharding.make_mesh(4), jnp.float32)
     whole = init_params(cfg, jax.random.key(5), jnp.float32)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(whole)):
@@ -271,11 +275,9 @@ def check_trace_collectives(root: Path) -> str:
 
     import jaxllm
     from jaxllm import sharding
-    from jaxllm.config import ModelConfig
     from jaxllm.trace import trace_steady
 
-    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,
-                      num_kv_heads=4, head_dim=16, ffn_size=96, max_position_embeddings=256)
+    cfg = _tiny_llama()
     params = sharding.init_sharded(cfg, jax.random.key(1), sharding.make_mesh(4), jnp.float32)
     info = trace_steady(lambda: jaxllm.generate(params, [[3, 1, 4, 1, 5]], max_new_tokens=4),
                         root / "trace")
