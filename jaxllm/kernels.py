@@ -32,10 +32,20 @@ from jaxllm.quant import QuantizedWeight
 DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
 # Tiles: cache slots per loop iteration (at most; a cache length's power-of-two factor), cache
 # slots per program (longer caches split over programs, combined after), warps per program.
-# 32,128,4 had the lowest total of five tile sets over the five cases above (64,1024,4: 25%
-# more). JAXLLM_DECODE_TILES="block,split,warps" overrides them for benchmarking.
+# 32,128,4 had the lowest total of five tile sets over the five cases above (64,1024,4: 25% more).
+# Blocks of 64 then beat it at batch 1 (a small grid's half-length splits, below, each one block):
+# on an H200 (bench, prompt 128 + 256 new, same run) Qwen3-0.6B 0.6835 ms a step against 0.6981 and
+# 0.6956 (0.6706-0.6748 on other machines), SmolLM2 0.4301 against 0.4426, Llama-3.2-1B 0.8087
+# against 0.8173, the 8B shape in int8 2.6624 against 2.6716 and in bf16 3.8779 against 3.8814; at
+# batch 32 4.8067 against 4.8013, at context 8192 4.2096 against 4.2229 (unchanged). Of other sets
+# at Qwen3-0.6B, every one with fewer splits lost (0.763-0.810 ms: 128,256,8 with one 128-slot
+# block a split, its heads combined in o's kernel; 128,1024,8 with one split of three blocks), and
+# 64,128,8 and 64,128,2 too (0.689, 0.711). So did, at 64,128,4, asking for the split's block
+# before the new token's q and k are made (Qwen3-0.6B 0.694 against 0.671, SmolLM2 0.469 against
+# 0.430) and making the rotation's cos and sin in each program rather than once a step in XLA
+# (0.721, 0.449). JAXLLM_DECODE_TILES="block,split,warps" overrides the tiles for benchmarking.
 BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (
-    int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "32,128,4").split(","))
+    int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "64,128,4").split(","))
 # A grid of fewer programs than the GPU has multiprocessors takes half-length splits: each
 # program's loop is then shorter, which beat the larger combine after it. End to end on an H200
 # (bench, batch 1, prompt 128 + 256 new, 32,64 against 32,128 in one run): SmolLM2 0.557 against
