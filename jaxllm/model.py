@@ -174,12 +174,14 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
         # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
         ahead_w = next_w if proj and kernels.prefetched(next_w) else None
+        first = bool(proj) and kernels.weights_first(
+            (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         with jax.named_scope(f"layer_{i}"):
             x_BTD, normed_BTD, kv = _block(
                 layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
                 unroll_BT, fused_args, next_norm, ahead_w, cfg=cfg, window=window, moe=cfg.is_moe(i),
                 proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
-                fused_static=fused_static, next_takes=next_takes)
+                fused_static=fused_static, next_takes=next_takes, weights_first=first)
         new_kv.append(kv)
     if fresh:
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
@@ -192,10 +194,11 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
 
 
 @partial(jax.jit, inline=True, static_argnames=(
-    "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes"))
+    "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes",
+    "weights_first"))
 def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
            unroll_BT, fused_args, next_norm, next_w, *, cfg: ModelConfig, window, moe: bool, proj,
-           fuse, rope_scale, axis, fused_static, next_takes: bool):
+           fuse, rope_scale, axis, fused_static, next_takes: bool, weights_first: bool = False):
     """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
     through `next_norm` where `kernels.add_norm` made it, else None.
 
@@ -204,7 +207,8 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     8B shape). `next_takes`: whatever comes next (the next qkv or the lm_head) takes `project`'s
     kernel, which folds `next_norm` in itself. Each of the projections' kernels asks L2 for the
     matrix read next (`kernels.prefetched`), the down projection's for `next_w` (that one, or
-    None). The rest is as `_hidden` computes it.
+    None). `weights_first`: the projections' kernels load their weights before their input
+    (`kernels.weights_first`). The rest is as `_hidden` computes it.
     """
     eps = cfg.rms_norm_eps
     fused = None if fused_args is None else (*fused_args, *fused_static)
@@ -212,16 +216,18 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
         if normed_BTD is None:
             qkv_BTKJH = _project(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
-                                 bias_N=bias, prefetch=(layer.wo,))
+                                 bias_N=bias, prefetch=(layer.wo,), weights_first=weights_first)
         else:
-            qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias, prefetch=(layer.wo,))
+            qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias, prefetch=(layer.wo,),
+                                 weights_first=weights_first)
         heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, cursor,
                                          mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
         ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
         if proj:  # with the FFN in project's kernel (which folds the norm in), o's
             wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)  # kernel adds the residual
             out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
-                               residual=x_BTD if ffn_kernel else None, prefetch=(layer.w_gate_up,))
+                               residual=x_BTD if ffn_kernel else None, prefetch=(layer.w_gate_up,),
+                               weights_first=weights_first)
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
         x_BTD, normed_BTD = (out_BTD, None) if ffn_kernel else \
@@ -230,9 +236,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         folds = ffn_kernel and next_takes
         if ffn_kernel:
             act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm, eps=eps,
-                               swiglu=True, prefetch=(layer.w_down,))
+                               swiglu=True, prefetch=(layer.w_down,), weights_first=weights_first)
             out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
-                               prefetch=(next_w,))
+                               prefetch=(next_w,), weights_first=weights_first)
         else:
             if normed_BTD is None:
                 normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)

@@ -165,6 +165,9 @@ def test_project_kernel_equals_xla(monkeypatch, chunk):
         ref = kernels.project(x, w, mode=None, **kw)
         assert out.shape == ref.shape and out.dtype == ref.dtype, name
         assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, name
+        # Weights loaded before x (one chunk; several ignore it): the same sums, bit for bit.
+        first = kernels.project(x, w, mode="interpret", weights_first=True, **kw)
+        np.testing.assert_array_equal(np.asarray(first), np.asarray(out), err_msg=name)
 
 
 def _split_heads(splits, K=3, G=3, H=16, seed=0):
@@ -320,6 +323,70 @@ def test_prefetch_rules_and_its_lowering(monkeypatch):
 
     assert "cp.async.bulk.prefetch.L2" in lowered(jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16))
     assert "cp.async.bulk.prefetch.L2" not in lowered()
+
+
+def _kernel_reads(weights_first: bool):
+    """The loads (by the shape read) and reductions of a norm + qkv program, in program order."""
+    call = lambda x, w, g: kernels._project_kernel_call(
+        x, w, g, None, None, (), eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
+        rows=4, chunk=1024, warps=4, interpret=False, weights_first=weights_first)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, 1024), (4096, 1024), (1024,))]
+
+    def pallas_calls(jaxpr):  # through the jit around the call
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                yield e.params["jaxpr"]
+            for sub in e.params.values():
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from pallas_calls(getattr(sub, "jaxpr", sub))
+
+    (kernel,) = pallas_calls(jax.make_jaxpr(call)(*args).jaxpr)
+    return [e.primitive.name if "reduce" in e.primitive.name else e.invars[0].aval.shape
+            for e in kernel.eqns if "load" in e.primitive.name or "reduce" in e.primitive.name]
+
+
+def test_weights_first_asks_for_every_load_before_any_reduction():
+    """As WEIGHTS_FIRST says: the weights, then x and the norm's weight, then the sums; by default
+    the norm's sum of squares comes between x and the weights."""
+    assert _kernel_reads(True) == [(4, 1024), (1, 1024), (1024,), "reduce_sum", "reduce_sum"]
+    assert _kernel_reads(False) == [(1, 1024), "reduce_sum", (1024,), (4, 1024), "reduce_sum"]
+
+
+def test_weights_first_rules(monkeypatch):
+    """A layer loads its weights before x only where every projection matrix is a float one that
+    `prefetched` asks L2 for: on a GPU from Hopper on, each at most PREFETCH_MAX_BYTES."""
+    small, large = jnp.zeros((1024, 2048), jnp.bfloat16), jnp.zeros((1024, 2049), jnp.bfloat16)
+    assert not kernels.weights_first([small])  # no GPU here
+    monkeypatch.setattr(L, "gpu_generation", lambda: 9)
+    assert kernels.weights_first([small, small])
+    assert not kernels.weights_first([small, large])  # one from HBM: as before
+    assert not kernels.weights_first([small, quantize(small.astype(jnp.float32))])  # int8
+    assert not kernels.weights_first([small, None])  # a MoE layer's FFN
+    zeros = lambda *shapes: [jnp.zeros(shape, jnp.bfloat16) for shape in shapes]
+    # SmolLM2-135M's layer (qkv, o, gate/up, down) qualifies; Qwen3-0.6B's qkv (8 MB) does not.
+    assert kernels.weights_first(zeros((960, 576), (576, 576), (2, 1536, 576), (576, 1536)))
+    assert not kernels.weights_first(zeros((4096, 1024), (1024, 2048), (2, 3072, 1024), (1024, 3072)))
+    monkeypatch.setattr(kernels, "WEIGHTS_FIRST", False)
+    assert not kernels.weights_first([small])
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_layers_pass_weights_first_to_their_projections(monkeypatch, project_mode, tiny, first):
+    """Each layer's four projection kernels get the layer's `kernels.weights_first`, the lm_head
+    never; a decode step with weights first matches the full forward."""
+    from jaxllm import model
+    asked, real = [], kernels.project
+    monkeypatch.setattr(kernels, "project", lambda x, w, **k: asked.append(
+        k.get("weights_first", False)) or real(x, w, **k))
+    monkeypatch.setattr(kernels, "weights_first", lambda matrices: first and len(matrices) == 4)
+    m = tiny("llama")
+    cache = init_cache(m.params.config, 1, 16, jnp.float32)
+    jax.clear_caches()
+    jax.jit(model.step).trace(m.params, jnp.zeros((1, 1), jnp.int32), cache)
+    # Layers of one kind trace once (four projections each), then the lm_head.
+    assert len(asked) % 4 == 1 and asked[:-1] == [first] * (len(asked) - 1) and not asked[-1]
+    _decode_matches_forward(m, rows=1)
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
