@@ -11,7 +11,9 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`).
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
-asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`).
+asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
+layer's matrices all come from L2 so, its kernels load their weights before their input
+(`WEIGHTS_FIRST`).
 """
 
 import functools
