@@ -284,6 +284,10 @@ def generate_loop():
     # hint, so the tokens must not change without it.
     check("generate with the projections prefetching weights into L2, a token differs (1 = yes)",
           float(not (tokens_without("PREFETCH_MAX_BYTES", 0) == unchanged).all()), 0)
+    # SmolLM2's layers load their weights before their input (kernels.weights_first): the same
+    # sums, so the tokens must not change without it.
+    check("generate with the projections loading weights first, a token differs (1 = yes)",
+          float(not (tokens_without("WEIGHTS_FIRST", False) == unchanged).all()), 0)
 
 
 def sharded():
