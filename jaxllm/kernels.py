@@ -13,7 +13,8 @@ reason, and also takes large int8 matrices, which it converts faster than XLA (`
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
-(`WEIGHTS_FIRST`).
+(`WEIGHTS_FIRST`); in a float matrix's kernel the norm's sum of squares waits until after the
+products (`SQUARES_LAST`).
 """
 
 import functools
@@ -392,7 +393,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     `prefetch`: matrices that a later kernel reads; where `prefetched`, the kernel asks L2 for
     them as it finishes (see PREFETCH_MAX_BYTES), a hint that changes no result.
     `weights_first`: the kernel asks for its weights before its input, where they fit one chunk
-    (see `weights_first`); the same result, bit for bit.
+    (see `weights_first`); the same result, bit for bit. A float matrix's kernel makes the norm's
+    sum of squares after the products (SQUARES_LAST), also bit for bit.
     """
     heads = x_MC if isinstance(x_MC, SplitHeads) else None
     if heads is not None:
@@ -426,7 +428,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead, eps=eps,
                                 swiglu=swiglu, out_dtype=jnp.dtype(out_dtype), rows=rows,
                                 chunk=chunk, warps=warps, interpret=interpret,
-                                weights_first=weights_first and C <= chunk)
+                                weights_first=weights_first and heads is None and C <= chunk,
+                                squares_last=SQUARES_LAST and not isinstance(w_NC, QuantizedWeight))
 
 
 def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
@@ -457,9 +460,11 @@ def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "out_dtype", "rows", "chunk",
-                                             "warps", "interpret", "weights_first"))
+                                             "warps", "interpret", "weights_first",
+                                             "squares_last"))
 def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, eps, swiglu,
-                         out_dtype, rows, chunk, warps, interpret, weights_first=False):
+                         out_dtype, rows, chunk, warps, interpret, weights_first=False,
+                         squares_last=False):
     """The pallas_call of `project`: one program per `rows` output channels."""
     scales = None
     if isinstance(w_NC, QuantizedWeight):
@@ -508,7 +513,7 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
         scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
         heads=heads, permute_int8=not interpret and INT8_CONVERT == "permute",
         trigger=_pdl_trigger(interpret), ahead=len(ahead), grid=width // rows, lanes=32 * warps,
-        weights_first=weights_first)
+        weights_first=weights_first, squares_last=squares_last or weights_first)
     return pl.pallas_call(
         kernel, grid=(width // rows,), in_specs=specs,
         out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
@@ -519,13 +524,14 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
 
 def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads,
                     permute_int8=False, trigger=False, ahead=0, grid=1, lanes=128,
-                    weights_first=False):
+                    weights_first=False, squares_last=False):
     """One program: `project` for a few output channels, reading their weight rows in as few
     chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
     on memory once per chunk, not once per loop step of a pipelined tile. With `heads` (splits,
     K*G, H, dtype), x_ref and the next two refs are a `SplitHeads`, combined here. With
-    `weights_first` (one chunk), the weights are asked for before x, and the norm's sum of
-    squares is made after the products (see `weights_first`)."""
+    `weights_first` (one chunk, not against heads), the weights are asked for before x (see
+    `weights_first`). With `squares_last` the norm's sum of squares is made after the products
+    rather than between the loads of x and of the weights (SQUARES_LAST)."""
     refs = list(refs)
     take = lambda n=1: [refs.pop(0) for _ in range(n)]
     if heads is not None:
@@ -557,12 +563,12 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
         x = raw = plt.load(x_ref.at[pl.ds(0, 1), pl.ds(at, chunk)], mask=cols[None, :],
                            other=0).astype(f32)
         if norm:  # the inverse RMS scales the sums after the loop
-            if not weights_first:
+            if not squares_last:
                 squares = squares + jnp.sum(raw * raw, axis=1)
             x = x * plt.load(g_ref.at[pl.ds(at, chunk)], mask=cols, other=0).astype(f32)[None, :]
         ys = [y + jnp.sum(_to_f32(load(w_ref) if w is None else w, permute_int8) * x, axis=1)
               for y, w, w_ref in zip(ys, ws, w_refs)]
-        if norm and weights_first:
+        if norm and squares_last:
             squares = squares + jnp.sum(raw * raw, axis=1)
     for ref in ahead_refs:  # once this program's weights are in: they go first
         _prefetch(ref, grid, lanes, after=jnp.sum(ys[-1]))
@@ -712,8 +718,8 @@ def prefetched(w) -> bool:
 # asks for it, above) loads each kernel's weights before its input x, and makes the norm's sum of
 # squares after the products rather than before them. In the other order the weights are asked
 # for only after that sum, a reduction across the program's warps, so an L2-resident matrix waited
-# for two round trips (x, then the weights) where one will do (our reading, not measured apart).
-# The sums are the same, bit for bit. On an H200 (bench, batch 1, same run) SmolLM2, every matrix
+# for two round trips (x, then the weights) where one will do (our reading). The sums are the same,
+# bit for bit. On an H200 (bench, batch 1, same run) SmolLM2, every matrix
 # of which qualifies, took 0.3854 and 0.3892 ms a step against 0.4277 and 0.4341 (2595 and 2569
 # tok/s against 2338 and 2304); on another machine 0.3887 against 0.4390. Where the weights come
 # from HBM the same order lost: Qwen3-0.6B with it in its one-chunk projections (qkv, o and
@@ -721,8 +727,24 @@ def prefetched(w) -> bool:
 # projection, the products of several chunks summed once at the end, 0.7365 and 0.7428 against
 # 0.6758 and 0.6752, and the 8B shape in int8 5.446 against 2.666. So only layers whose every
 # projection `prefetched` asks L2 for, in a float dtype (int8 was not measured so), take it; of
-# the presets, SmolLM2's. JAXLLM_WEIGHTS_FIRST=0 turns it off.
+# the presets, SmolLM2's. JAXLLM_WEIGHTS_FIRST=0 turns it off. Most of the gain is the weights'
+# order: with the squares last either way (SQUARES_LAST, below), SmolLM2 without it took 0.4140,
+# 0.4124 and 0.4138 ms a step against 0.3803, 0.3856 and 0.3856 (same run; the faster side also
+# loaded o's weights before combining the heads, about 0.006 ms of it, see README).
 WEIGHTS_FIRST = os.environ.get("JAXLLM_WEIGHTS_FIRST", "1") != "0"
+
+# Every float matrix's kernel, its weights from HBM or L2, makes the norm's sum of squares after
+# the products too (x loaded first, as before): the weights are then asked for right after x
+# rather than after that reduction across the warps. The same sums, bit for bit (the H200 gave
+# the same bits in every order for SmolLM2's, Qwen3-0.6B's and Llama-3.2-1B's matrices, with and
+# without the norm). Qwen3-0.6B, bench, batch 1, same runs: 0.6672, 0.6672 and 0.6711 ms a step
+# against 0.6736, 0.6802 and 0.6781; on another machine 0.6733 and 0.6638 against 0.6795 and
+# 0.6745; on a third 0.6660 and 0.6695 against 0.6753 and 0.6818 (1485-1506 tok/s against
+# 1466-1483). Llama-3.2-1B unchanged: 0.8109, 0.8101 and 0.8190 against 0.8134, 0.8135 and
+# 0.8198; 0.8161 against 0.8121. int8 matrices keep the squares before: the 8B shape in int8 took
+# 2.7608 and 2.7746 ms with them last against 2.7281 and 2.7415. JAXLLM_SQUARES_LAST=0 turns it
+# off (the squares before the weights' load wherever the weights are not loaded first).
+SQUARES_LAST = os.environ.get("JAXLLM_SQUARES_LAST", "1") != "0"
 
 
 def weights_first(matrices) -> bool:

@@ -265,15 +265,19 @@ def generate_loop():
 
     unchanged = generated()
 
-    def tokens_without(switch: str, off):
-        """generate's tokens with kernels.`switch` set to `off`, jit caches cleared around."""
-        saved = getattr(kernels, switch)
-        setattr(kernels, switch, off)
+    def tokens_without(switch: str, off, **more):
+        """generate's tokens with kernels.`switch` set to `off` (and any `more` switches set so),
+        jit caches cleared around."""
+        switches = {switch: off, **more}
+        saved = {name: getattr(kernels, name) for name in switches}
+        for name, value in switches.items():
+            setattr(kernels, name, value)
         jax.clear_caches()
         try:
             return generated()
         finally:
-            setattr(kernels, switch, saved)
+            for name, value in saved.items():
+                setattr(kernels, name, value)
             jax.clear_caches()
 
     # Our kernels let the next one launch early (kernels.PDL_TRIGGER); a kernel that then read its
@@ -288,6 +292,12 @@ def generate_loop():
     # sums, so the tokens must not change without it.
     check("generate with the projections loading weights first, a token differs (1 = yes)",
           float(not (tokens_without("WEIGHTS_FIRST", False) == unchanged).all()), 0)
+    # Float matrices' kernels make the norm's sum of squares after the products
+    # (kernels.SQUARES_LAST), as weights-first ones always do: without both, x is loaded first and
+    # the squares made before the weights' load; the same sums, so the same tokens.
+    check("generate with the norm's squares made before the products, a token differs (1 = yes)",
+          float(not (tokens_without("SQUARES_LAST", False, WEIGHTS_FIRST=False)
+                     == unchanged).all()), 0)
 
 
 def sharded():

@@ -165,9 +165,14 @@ def test_project_kernel_equals_xla(monkeypatch, chunk):
         ref = kernels.project(x, w, mode=None, **kw)
         assert out.shape == ref.shape and out.dtype == ref.dtype, name
         assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, name
-        # Weights loaded before x (one chunk; several ignore it): the same sums, bit for bit.
+        # Weights loaded before x (one chunk; several ignore it), or the norm's squares made
+        # before the products: the same sums, bit for bit.
         first = kernels.project(x, w, mode="interpret", weights_first=True, **kw)
         np.testing.assert_array_equal(np.asarray(first), np.asarray(out), err_msg=name)
+        monkeypatch.setattr(kernels, "SQUARES_LAST", False)
+        before = kernels.project(x, w, mode="interpret", **kw)
+        monkeypatch.setattr(kernels, "SQUARES_LAST", True)
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(out), err_msg=name)
 
 
 def _split_heads(splits, K=3, G=3, H=16, seed=0):
@@ -325,11 +330,12 @@ def test_prefetch_rules_and_its_lowering(monkeypatch):
     assert "cp.async.bulk.prefetch.L2" not in lowered()
 
 
-def _kernel_reads(weights_first: bool):
+def _kernel_reads(weights_first: bool, squares_last: bool = False):
     """The loads (by the shape read) and reductions of a norm + qkv program, in program order."""
     call = lambda x, w, g: kernels._project_kernel_call(
         x, w, g, None, None, (), eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
-        rows=4, chunk=1024, warps=4, interpret=False, weights_first=weights_first)
+        rows=4, chunk=1024, warps=4, interpret=False, weights_first=weights_first,
+        squares_last=squares_last)
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, 1024), (4096, 1024), (1024,))]
 
     def pallas_calls(jaxpr):  # through the jit around the call
@@ -346,10 +352,27 @@ def _kernel_reads(weights_first: bool):
 
 
 def test_weights_first_asks_for_every_load_before_any_reduction():
-    """As WEIGHTS_FIRST says: the weights, then x and the norm's weight, then the sums; by default
-    the norm's sum of squares comes between x and the weights."""
+    """As WEIGHTS_FIRST says: the weights, then x and the norm's weight, then the sums. With the
+    squares last (SQUARES_LAST) x comes first, then the weights, then the sums; else the norm's
+    sum of squares comes between x and the weights."""
     assert _kernel_reads(True) == [(4, 1024), (1, 1024), (1024,), "reduce_sum", "reduce_sum"]
+    assert _kernel_reads(False, squares_last=True) == [
+        (1, 1024), (1024,), (4, 1024), "reduce_sum", "reduce_sum"]
     assert _kernel_reads(False) == [(1, 1024), "reduce_sum", (1024,), (4, 1024), "reduce_sum"]
+
+
+def test_float_matrices_make_the_squares_last(monkeypatch):
+    """`project` asks its kernel for the squares after the products (SQUARES_LAST) for a float
+    matrix, not for an int8 one (that order measured slower there), nor with the switch off."""
+    asked, real = [], kernels._project_kernel_call
+    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: asked.append(
+        k["squares_last"]) or real(*a, **k))
+    x, w, g = jnp.ones((1, 64)), jax.random.normal(jax.random.key(0), (32, 64)), jnp.ones((64,))
+    kernels.project(x, w, norm_C=g, mode="interpret")
+    kernels.project(x, quantize(w), norm_C=g, mode="interpret")
+    monkeypatch.setattr(kernels, "SQUARES_LAST", False)
+    kernels.project(x, w, norm_C=g, mode="interpret")
+    assert asked == [True, False, False]
 
 
 def test_weights_first_rules(monkeypatch):
