@@ -346,6 +346,14 @@ KERNEL_MAX_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20)
 # them for benchmarking.
 PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_PROJECT_TILES", "4096,2048,4").split(","))
+# A float row of at most ONE_CHUNK_CHANNELS input channels loads in one chunk even past
+# MAX_CHUNK, padded to a power of two and masked, rather than in two overlapping ones: of the
+# presets only Qwen3-0.6B's down (3072 channels: one of 4096 against two of 2048 at 0 and 1024);
+# int8 rows, not measured so, keep MAX_CHUNK.
+# It took 0.6615, 0.6631 and 0.6587 ms a step against 0.6705, 0.6734 and 0.6625 (H200, bench,
+# batch 1, same run; 1508-1518 tok/s against 1485-1509); whole chunks of 1024 (as int8 rows take
+# below) 0.6806, 0.6824 and 0.6824. JAXLLM_PROJECT_ONE_CHUNK overrides it (2048: as before).
+ONE_CHUNK_CHANNELS = int(os.environ.get("JAXLLM_PROJECT_ONE_CHUNK", 4096))
 # int8 weights, converted in registers without I2F (see `_INT8_ASM`), stream faster through the
 # kernel than through XLA's reduction up to the 8B shape's gate/up (117M weights), given larger
 # tiles. The 8B shape in int8 on an H200, a step: 2.877 ms with every layer matrix in the kernel,
@@ -418,7 +426,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
             chunk = C & -C
         rows = min(rows, width & -width)
     else:
-        chunk = min(padded, MAX_CHUNK)
+        float_row = not isinstance(w_NC, QuantizedWeight)
+        chunk = padded if float_row and C <= ONE_CHUNK_CHANNELS else min(padded, MAX_CHUNK)
         # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
         rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
         warps = PROJECT_WARPS

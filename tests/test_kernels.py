@@ -160,6 +160,7 @@ def _project_cases(M):
 @pytest.mark.parametrize("chunk", [4096, 32])  # the input channels in one load, then in 3
 def test_project_kernel_equals_xla(monkeypatch, chunk):
     monkeypatch.setattr(kernels, "MAX_CHUNK", chunk)
+    monkeypatch.setattr(kernels, "ONE_CHUNK_CHANNELS", chunk)
     for name, x, w, kw in _project_cases(1):
         out = kernels.project(x, w, mode="interpret", **kw)
         ref = kernels.project(x, w, mode=None, **kw)
@@ -243,6 +244,28 @@ def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 32 * 64 - 1)
     kernels.project(x, w, mode="interpret")  # one weight too many
     assert len(calls) == 1
+
+
+def test_float_rows_up_to_one_chunk_channels_load_in_one_chunk(monkeypatch):
+    """A float row of 3072 channels (Qwen3-0.6B's down) loads as one padded chunk of 4096, past
+    MAX_CHUNK; one of 8192 in chunks of MAX_CHUNK; int8 rows keep their own tiles. The sums
+    match XLA's either way."""
+    chunks, real = [], kernels._project_kernel_call
+    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: chunks.append(
+        (a[1].shape[-1], k["chunk"], k["rows"])) or real(*a, **k))
+    for C in (3072, 8192):
+        x = jax.random.normal(jax.random.key(C), (1, C))
+        w = jax.random.normal(jax.random.key(1), (8, C)) / 64
+        res = jnp.ones((1, 8))
+        out = kernels.project(x, w, residual_MN=res, mode="interpret")
+        ref = kernels.project(x, w, residual_MN=res, mode=None)
+        assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
+    assert chunks == [(3072, 4096, 2), (8192, kernels.MAX_CHUNK, 2)] and kernels.MAX_CHUNK < 4096
+    kernels.project(jnp.ones((1, 3072)), quantize(jnp.ones((8, 3072))), mode="interpret")
+    assert chunks[-1] == (3072, kernels.MAX_CHUNK, 2)  # int8: as before
+    monkeypatch.setattr(kernels, "ONE_CHUNK_CHANNELS", kernels.MAX_CHUNK)  # the switch off
+    kernels.project(jnp.ones((1, 3072)), jnp.ones((8, 3072)), mode="interpret")
+    assert chunks[-1] == (3072, kernels.MAX_CHUNK, 2)
 
 
 def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(monkeypatch):
