@@ -348,11 +348,11 @@ PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_PROJECT_TILES", "4096,2048,4").split(","))
 # A float row of at most ONE_CHUNK_CHANNELS input channels loads in one chunk even past
 # MAX_CHUNK, padded to a power of two and masked, rather than in two overlapping ones: of the
-# presets only Qwen3-0.6B's down (3072 channels: one of 4096 against two of 2048 at 0 and 1024);
-# int8 rows, not measured so, keep MAX_CHUNK.
-# It took 0.6615, 0.6631 and 0.6587 ms a step against 0.6705, 0.6734 and 0.6625 (H200, bench,
-# batch 1, same run; 1508-1518 tok/s against 1485-1509); whole chunks of 1024 (as int8 rows take
-# below) 0.6806, 0.6824 and 0.6824. JAXLLM_PROJECT_ONE_CHUNK overrides it (2048: as before).
+# presets only Qwen3-0.6B's down (3072 channels: one of 4096 against two of 2048 at 0 and 1024).
+# Qwen3-0.6B took 0.6615, 0.6631 and 0.6587 ms a step against 0.6705, 0.6734 and 0.6625 (H200,
+# bench, batch 1, same run; 1508-1518 tok/s against 1485-1509); whole chunks of 1024 (as int8
+# rows take below) 0.6806, 0.6824 and 0.6824. int8 rows, not measured so, keep MAX_CHUNK.
+# JAXLLM_PROJECT_ONE_CHUNK overrides it (2048: as before).
 ONE_CHUNK_CHANNELS = int(os.environ.get("JAXLLM_PROJECT_ONE_CHUNK", 4096))
 # int8 weights, converted in registers without I2F (see `_INT8_ASM`), stream faster through the
 # kernel than through XLA's reduction up to the 8B shape's gate/up (117M weights), given larger
@@ -727,10 +727,10 @@ def prefetched(w) -> bool:
 # asks for it, above) loads each kernel's weights before its input x, and makes the norm's sum of
 # squares after the products rather than before them. In the other order the weights are asked
 # for only after that sum, a reduction across the program's warps, so an L2-resident matrix waited
-# for two round trips (x, then the weights) where one will do (our reading). The sums are the same,
-# bit for bit. On an H200 (bench, batch 1, same run) SmolLM2, every matrix
-# of which qualifies, took 0.3854 and 0.3892 ms a step against 0.4277 and 0.4341 (2595 and 2569
-# tok/s against 2338 and 2304); on another machine 0.3887 against 0.4390. Where the weights come
+# for two round trips (x, then the weights) where one will do (our reading). The sums are the
+# same, bit for bit. On an H200 (bench, batch 1, same run) SmolLM2, every matrix of which
+# qualifies, took 0.3854 and 0.3892 ms a step against 0.4277 and 0.4341 (2595 and 2569 tok/s
+# against 2338 and 2304); on another machine 0.3887 against 0.4390. Where the weights come
 # from HBM the same order lost: Qwen3-0.6B with it in its one-chunk projections (qkv, o and
 # gate/up, of which only o's 4 MB is asked of L2) 0.7377 ms against 0.6766; with it in every
 # projection, the products of several chunks summed once at the end, 0.7365 and 0.7428 against
