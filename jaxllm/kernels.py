@@ -419,6 +419,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     if not takes:
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    float_w = not isinstance(w_NC, QuantizedWeight)  # its own tiles and order below where int8
     if math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS:  # large int8 matrices (see INT8_TILES)
         rows, max_chunk, warps = INT8_TILES
         chunk = min(padded, max_chunk)
@@ -426,8 +427,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
             chunk = C & -C
         rows = min(rows, width & -width)
     else:
-        float_row = not isinstance(w_NC, QuantizedWeight)
-        chunk = padded if float_row and C <= ONE_CHUNK_CHANNELS else min(padded, MAX_CHUNK)
+        chunk = padded if float_w and C <= ONE_CHUNK_CHANNELS else min(padded, MAX_CHUNK)
         # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
         rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
         warps = PROJECT_WARPS
@@ -438,7 +438,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
                                 swiglu=swiglu, out_dtype=jnp.dtype(out_dtype), rows=rows,
                                 chunk=chunk, warps=warps, interpret=interpret,
                                 weights_first=weights_first and heads is None and C <= chunk,
-                                squares_last=SQUARES_LAST and not isinstance(w_NC, QuantizedWeight))
+                                squares_last=SQUARES_LAST and float_w)
 
 
 def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
