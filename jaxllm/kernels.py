@@ -9,7 +9,8 @@ row's live slots, where XLA's masked form reads the whole cache. In a chain of 3
 H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 against 9.5
 (SmolLM2), 19.3 against 24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
-reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`).
+reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`);
+their norms go through `add_norm` instead (`INT8_NORM_APART`).
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
@@ -446,6 +447,26 @@ def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = F
     norm in); False where it composes XLA's ops (no mode, large matrices, SwiGLU with a bias)."""
     limit = KERNEL_MAX_INT8_WEIGHTS if isinstance(w_NC, QuantizedWeight) else KERNEL_MAX_WEIGHTS
     return mode is not None and math.prod(w_NC.shape) <= limit and not (swiglu and biased)
+
+
+# The norm before a large int8 matrix (one in INT8_TILES: the 8B shape's qkv and gate/up) goes
+# through `add_norm`'s pass, which writes the normed row once (in x's dtype, as XLA's form
+# rounds it), rather than into `project`'s kernel, each of whose 1536 or 3584 programs would load
+# the norm's weights and make the sum of squares again. The 8B shape in int8 on an H200 (bench,
+# batch 1, same run): 2.6231 and 2.6243 ms a step against 2.6784 and 2.6842 (381 tok/s against
+# 373); before gate/up only 2.645 and 2.628, before qkv only 2.653 and 2.650. On another
+# machine, as landed: 2.6395 and 2.6553 against 2.7359 and 2.7432. Float matrices and small
+# int8 ones keep the norm in the kernel, where it was measured faster (see ADD_NORM).
+# JAXLLM_INT8_NORM_APART=0 folds it in everywhere.
+INT8_NORM_APART = os.environ.get("JAXLLM_INT8_NORM_APART", "1") != "0"
+
+
+def project_folds_norm(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
+    """Whether a layer should hand the norm before w to `project` (one row, under `mode`) to fold
+    into its kernel: where the kernel takes w, unless w is a large int8 matrix (INT8_NORM_APART)."""
+    apart = (INT8_NORM_APART and isinstance(w_NC, QuantizedWeight)
+             and math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS)
+    return project_takes(w_NC, mode, swiglu, biased) and not apart
 
 
 def _heads_values(heads: SplitHeads) -> int:

@@ -153,7 +153,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     # Residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then x_BTD through
     # the norm that comes next, made by the same pass. In a prefill always; in a decode step
     # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
-    # norm in itself); at batch 32 XLA's own fusions were faster (see kernels.ADD_NORM).
+    # norm in itself) or a large int8 one (`kernels.project_folds_norm`); at batch 32 XLA's own
+    # fusions were faster (see kernels.ADD_NORM).
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
@@ -170,7 +171,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
-        next_takes = proj is not None and kernels.project_takes(next_w, proj, biased=next_bias)
+        next_takes = proj is not None and kernels.project_folds_norm(next_w, proj, biased=next_bias)
         # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
         # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
         ahead_w = next_w if proj and kernels.prefetched(next_w) else None
@@ -205,10 +206,11 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     Jitted and inlined: layers of one shape trace once, and their equations are copied into the
     step (a step traced each of its 32 layers, about a second of a warm-cache first call for the
     8B shape). `next_takes`: whatever comes next (the next qkv or the lm_head) takes `project`'s
-    kernel, which folds `next_norm` in itself. Each of the projections' kernels asks L2 for the
-    matrix read next (`kernels.prefetched`), the down projection's for `next_w` (that one, or
-    None). `weights_first`: the projections' kernels load their weights before their input
-    (`kernels.weights_first`). The rest is as `_hidden` computes it.
+    kernel and folds `next_norm` in itself (`kernels.project_folds_norm`). Each of the
+    projections' kernels asks L2 for the matrix read next (`kernels.prefetched`), the down
+    projection's for `next_w` (that one, or None). `weights_first`: the projections' kernels
+    load their weights before their input (`kernels.weights_first`). The rest is as `_hidden`
+    computes it.
     """
     eps = cfg.rms_norm_eps
     fused = None if fused_args is None else (*fused_args, *fused_static)
@@ -223,19 +225,21 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, cursor,
                                          mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
         ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
-        if proj:  # with the FFN in project's kernel (which folds the norm in), o's
-            wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)  # kernel adds the residual
+        ffn_norm = ffn_kernel and kernels.project_folds_norm(layer.w_gate_up, proj, swiglu=True)
+        if proj:  # with the FFN's norm in project's kernel, o's kernel adds the residual
+            wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
             out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
-                               residual=x_BTD if ffn_kernel else None, prefetch=(layer.w_gate_up,),
+                               residual=x_BTD if ffn_norm else None, prefetch=(layer.w_gate_up,),
                                weights_first=weights_first)
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
-        x_BTD, normed_BTD = (out_BTD, None) if ffn_kernel else \
+        x_BTD, normed_BTD = (out_BTD, None) if ffn_norm else \
             _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
     with jax.named_scope("moe" if moe else "mlp"):
         folds = ffn_kernel and next_takes
-        if ffn_kernel:
-            act_BTF = _project(proj, x_BTD, layer.w_gate_up, norm_C=layer.mlp_norm, eps=eps,
+        if ffn_kernel:  # the norm in the kernel unless add_norm made it
+            act_BTF = _project(proj, x_BTD if normed_BTD is None else normed_BTD, layer.w_gate_up,
+                               norm_C=layer.mlp_norm if normed_BTD is None else None, eps=eps,
                                swiglu=True, prefetch=(layer.w_down,), weights_first=weights_first)
             out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
                                prefetch=(next_w,), weights_first=weights_first)

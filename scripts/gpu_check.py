@@ -36,7 +36,7 @@ from jaxllm import layers as L
 from jaxllm import model
 from jaxllm.cache import init_cache
 from jaxllm.presets import PRESETS, random_params
-from jaxllm.quant import quantize
+from jaxllm.quant import quantize, quantize_params
 
 failures = []
 
@@ -192,12 +192,15 @@ def decode_project():
         check(f"decode project D={D} o + residual from 6 attention splits", rel(got, want), 2e-2)
 
     # Batch-1 decode through both kernels, against XLA; Llama-3.2-1B's FFN and the 8B shape's
-    # matrices are too large for project's kernel: their norms go through add_norm's.
-    for name in ["qwen3-0.6b", "llama3.2-1b", "llama3-8b"]:
+    # matrices are too large for project's kernel: their norms go through add_norm's. In int8 the
+    # 8B shape's matrices take project's kernel, their norms still add_norm's (INT8_NORM_APART).
+    for name, int8 in [("qwen3-0.6b", False), ("llama3.2-1b", False), ("llama3-8b", False),
+                       ("llama3-8b", True)]:
         cfg, params, tokens, start = _ragged_batch(name, seed=3)
+        params = quantize_params(params) if int8 else params
         outs = _decode_both_ways(cfg, params, tokens[1:2], start[1:2],
                                  ["DECODE_ATTENTION", "DECODE_PROJECT"])
-        check(f"{name} batch-1 decode via both kernels vs XLA, logits",
+        check(f"{name}{' int8' if int8 else ''} batch-1 decode via both kernels vs XLA, logits",
               rel(outs["auto"][0], outs["xla"][0]), 3e-2)
 
 

@@ -455,6 +455,27 @@ def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
+@pytest.mark.parametrize("apart", [True, False])
+def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart):
+    """Before an int8 matrix past KERNEL_MAX_WEIGHTS (the 8B shape's qkv and gate/up; here every
+    matrix) a decode step's norm goes through add_norm's kernel, which writes the normed row once,
+    rather than into each of project's programs (INT8_NORM_APART); logits as XLA's either way."""
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "INT8_NORM_APART", apart)
+    params = quantize_params(tiny("llama").params)
+    rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
+    folded = spy(monkeypatch, "_project_kernel_call", lambda x, w, norm_C, *a: norm_C is not None)
+    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4,
+                           ["DECODE_PROJECT", "ADD_NORM"])
+    assert rel_err(runs[1], runs[0]) < 1e-5
+    # Each kind of block the step traces: qkv, o, gate/up, down; then the lm_head.
+    if apart:  # two kinds: the first layer's (x from the embedding, its qkv folding the norm)
+        assert folded == [True, False, False, False] + [False] * 4 + [False]  # and the rest
+        assert rows.count(1) == 2 * 2  # after o and after down in each (the last for the lm_head)
+    else:  # one kind: every qkv and gate/up, and the lm_head, fold their norms
+        assert folded == [True, False, True, False] + [True] and rows.count(1) == 0
+
+
 @pytest.mark.parametrize("dtype, C, M, rows", [(jnp.float32, 80, 5, 1), (jnp.float32, 64, 5, 1),
                                                 (jnp.bfloat16, 80, 5, 1), (jnp.float32, 80, 12, 4)])
 def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
