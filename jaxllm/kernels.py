@@ -455,9 +455,10 @@ def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = F
 # the norm's weights and make the sum of squares again. The 8B shape in int8 on an H200 (bench,
 # batch 1, same run): 2.6231 and 2.6243 ms a step against 2.6784 and 2.6842 (381 tok/s against
 # 373); before gate/up only 2.645 and 2.628, before qkv only 2.653 and 2.650. On another
-# machine, as landed: 2.6395 and 2.6553 against 2.7359 and 2.7432. Float matrices and small
-# int8 ones keep the norm in the kernel, where it was measured faster (see ADD_NORM).
-# JAXLLM_INT8_NORM_APART=0 folds it in everywhere.
+# machine, as landed: 2.6395 and 2.6553 against 2.7359 and 2.7432. The first layer's qkv,
+# fed by the embedding (no residual add to pair the norm with), keeps it. Float matrices and
+# small int8 ones keep it too: one kernel fewer, where small models' steps are bound by launches
+# (this order not measured for them). JAXLLM_INT8_NORM_APART=0 folds it in everywhere.
 INT8_NORM_APART = os.environ.get("JAXLLM_INT8_NORM_APART", "1") != "0"
 
 
