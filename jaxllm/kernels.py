@@ -421,7 +421,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     float_w = not isinstance(w_NC, QuantizedWeight)  # its own tiles and order below where int8
-    if math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS:  # large int8 matrices (see INT8_TILES)
+    if _int8_tiled(w_NC):
         rows, max_chunk, warps = INT8_TILES
         chunk = min(padded, max_chunk)
         if C % chunk and (C & -C) >= chunk // 2:  # whole chunks, not an overlapping last one
@@ -465,9 +465,12 @@ INT8_NORM_APART = os.environ.get("JAXLLM_INT8_NORM_APART", "1") != "0"
 def project_folds_norm(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
     """Whether a layer should hand the norm before w to `project` (one row, under `mode`) to fold
     into its kernel: where the kernel takes w, unless w is a large int8 matrix (INT8_NORM_APART)."""
-    apart = (INT8_NORM_APART and isinstance(w_NC, QuantizedWeight)
-             and math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS)
-    return project_takes(w_NC, mode, swiglu, biased) and not apart
+    return project_takes(w_NC, mode, swiglu, biased) and not (INT8_NORM_APART and _int8_tiled(w_NC))
+
+
+def _int8_tiled(w_NC) -> bool:
+    """Whether w is a large int8 matrix, past KERNEL_MAX_WEIGHTS: in INT8_TILES, its norm apart."""
+    return isinstance(w_NC, QuantizedWeight) and math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
 
 
 def _heads_values(heads: SplitHeads) -> int:

@@ -216,12 +216,8 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     fused = None if fused_args is None else (*fused_args, *fused_static)
     with jax.named_scope("attention"):
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
-        if normed_BTD is None:
-            qkv_BTKJH = _project(proj, x_BTD, layer.wqkv, norm_C=layer.attn_norm, eps=eps,
-                                 bias_N=bias, prefetch=(layer.wo,), weights_first=weights_first)
-        else:
-            qkv_BTKJH = _project(proj, normed_BTD, layer.wqkv, bias_N=bias, prefetch=(layer.wo,),
-                                 weights_first=weights_first)
+        qkv_BTKJH = _normed_project(proj, x_BTD, normed_BTD, layer.wqkv, layer.attn_norm, eps,
+                                    bias_N=bias, prefetch=(layer.wo,), weights_first=weights_first)
         heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, cursor,
                                          mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
         ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
@@ -237,10 +233,10 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
             _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
     with jax.named_scope("moe" if moe else "mlp"):
         folds = ffn_kernel and next_takes
-        if ffn_kernel:  # the norm in the kernel unless add_norm made it
-            act_BTF = _project(proj, x_BTD if normed_BTD is None else normed_BTD, layer.w_gate_up,
-                               norm_C=layer.mlp_norm if normed_BTD is None else None, eps=eps,
-                               swiglu=True, prefetch=(layer.w_down,), weights_first=weights_first)
+        if ffn_kernel:
+            act_BTF = _normed_project(proj, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
+                                      eps, swiglu=True, prefetch=(layer.w_down,),
+                                      weights_first=weights_first)
             out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
                                prefetch=(next_w,), weights_first=weights_first)
         else:
@@ -261,6 +257,14 @@ def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float):
     sum_MD, normed_MD = kernels.add_norm(x_BTD.reshape(B * T, D), delta_BTD.reshape(B * T, D),
                                          norm_D, eps, mode=mode)
     return sum_MD.reshape(B, T, D), normed_MD.reshape(B, T, D)
+
+
+def _normed_project(mode: str | None, x_BTD, normed_BTD, w, norm_D, eps: float, **kw):
+    """`_project` of x through norm_D against w: of normed_BTD where `kernels.add_norm` made it,
+    else with the norm folded into `kernels.project`."""
+    if normed_BTD is None:
+        return _project(mode, x_BTD, w, norm_C=norm_D, eps=eps, **kw)
+    return _project(mode, normed_BTD, w, **kw)
 
 
 def _project_mode(params: Params, B: int, T: int, axis=None) -> str | None:
