@@ -10,7 +10,8 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 (SmolLM2), 19.3 against 24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`);
-their norms go through `add_norm` instead (`INT8_NORM_APART`).
+their norms go through `add_norm` instead (`INT8_NORM_APART`), which also writes the normed row
+as int8 digits for a large int8 gate/up's tensor-core kernel (`INT8_DIGITS`).
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
@@ -163,6 +164,39 @@ class SplitHeads:
         w_BPKG = jnp.exp(self.m - jnp.max(self.m, axis=1, keepdims=True))
         return (jnp.sum(self.acc * w_BPKG[..., None], axis=1)
                 / jnp.sum(self.l * w_BPKG, axis=1)[..., None]).astype(self.dtype)
+
+
+# The gate/up matrix of a large int8 SwiGLU (one in INT8_TILES, its norm apart) takes a
+# tensor-core kernel: `add_norm` writes the normed row x also as DIGITS int8 digits of base 256
+# with one float32 factor (`DigitRow`), x = factor * sum_d digit_d 256^d exactly (to 2^-30 of
+# its largest magnitude, where float32 sums round at 2^-24), and each program multiplies its
+# int8 weights by the digits as tensor-core int8 products (mma, exact int32 sums), with no
+# conversion of the weights at all; the digit rows are the product's 16 rows, those past DIGITS
+# never read (masked). Chains of 8 of the 8B shape's matrices on an H200, us a matrix against
+# `project`'s kernel (norm apart): gate/up 31.0-31.7 against 33.9-34.1 (tiles 64 or 32 rows of
+# 256 channels, 4 warps, 3 stages), qkv 11.7-14.5 against 13.2-15.2 (16 or 32 rows), down
+# 18.4-18.6 against 22.0-22.6, o 9.3-9.9 against 8.9-10.1. End to end (bench, 8B int8, one
+# run): gate/up so 2.5789 ms a step against 2.6397 and 2.6377 without; qkv too 2.6751 and
+# 2.6766, qkv alone 2.6937 (its kernel after add_norm's lone program lost what the chain won);
+# both with add_norm in 16 warps (ADD_NORM_DIGIT_WARPS; the digits are its extra work) 2.627.
+# As landed (gate/up only, add_norm in 16 warps; another machine, same run): 2.5640 and 2.5599
+# ms a step against 2.6223 and 2.6175 (390 tok/s against 382). down and o cannot take it: their
+# inputs come from kernels of many programs, none of which can make the row's one factor.
+# JAXLLM_INT8_DIGITS=0 turns it off; JAXLLM_INT8_DIGIT_TILES ("rows,chunk,warps,stages": rows
+# of each of gate and up a program, channels a loop step) overrides the tiles for benchmarking.
+INT8_DIGITS = os.environ.get("JAXLLM_INT8_DIGITS", "1") != "0"
+DIGITS = 4
+DIGIT_ROWS = 16  # a tensor-core product's fewest rows: the digits, then rows never read
+DIGIT_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_INT8_DIGIT_TILES", "64,256,4,3").split(","))
+
+
+@struct.dataclass
+class DigitRow:
+    """One normed row x [1, C] in the model dtype, with its int8 digits [DIGIT_ROWS, C] (rows
+    past DIGITS never read) and float32 factor [1]: x = factor * sum_d digits[d] 256^d."""
+    x: jax.Array
+    digits: jax.Array
+    factor: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out"))
@@ -405,6 +439,12 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     (see `weights_first`); the same result, bit for bit. A float matrix's kernel makes the norm's
     sum of squares after the products (SQUARES_LAST), also bit for bit.
     """
+    if isinstance(x_MC, DigitRow):
+        if norm_C is None and bias_N is None and residual_MN is None and project_digits(
+                w_NC, mode, swiglu):
+            return _gate_up_digits_call(x_MC, w_NC, out_dtype=jnp.dtype(out_dtype or x_MC.x.dtype),
+                                        interpret=mode == "interpret")
+        x_MC = x_MC.x
     heads = x_MC if isinstance(x_MC, SplitHeads) else None
     if heads is not None:
         M, C = heads.acc.shape[0], math.prod(heads.acc.shape[2:])
@@ -471,6 +511,68 @@ def project_folds_norm(w_NC, mode: str | None, swiglu: bool = False, biased: boo
 def _int8_tiled(w_NC) -> bool:
     """Whether w is a large int8 matrix, past KERNEL_MAX_WEIGHTS: in INT8_TILES, its norm apart."""
     return isinstance(w_NC, QuantizedWeight) and math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
+
+
+def project_digits(w_NC, mode: str | None, swiglu: bool = False) -> bool:
+    """Whether the norm before w should come as a `DigitRow` (`add_norm(digits=True)`), for the
+    tensor-core kernel (INT8_DIGITS): where w is SwiGLU's large int8 gate/up, its norm apart,
+    and the tiles divide it (C below 2^31 / (128 * 127), so that the int32 sums cannot wrap)."""
+    if not (INT8_DIGITS and swiglu and project_takes(w_NC, mode, swiglu)
+            and not project_folds_norm(w_NC, mode, swiglu)):
+        return False
+    _, F, C = w_NC.shape
+    rows, chunk, _, _ = DIGIT_TILES
+    return F % rows == 0 and C % chunk == 0 and C * 128 * 127 < 2**31
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _gate_up_digits_call(row: DigitRow, w_2FC, *, out_dtype, interpret):
+    """`project(row, w, swiglu=True)` of a `DigitRow` against SwiGLU's quantized gate/up
+    [2, F, C]: one program per `rows` output channels of each, its weights streamed in chunks."""
+    q, scale = w_2FC.q, w_2FC.scale.astype(jnp.float32)
+    rows, chunk, warps, stages = DIGIT_TILES  # dividing F and C (`project_digits`)
+    _, F, C = q.shape
+    kernel = functools.partial(_gate_up_digits_kernel, chunk=chunk, trigger=_pdl_trigger(interpret))
+    return pl.pallas_call(
+        kernel, grid=(F // rows,),
+        in_specs=[pl.BlockSpec((DIGIT_ROWS, C), lambda j: (0, 0)), pl.BlockSpec((1,), lambda j: (0,))]
+        + [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
+        + [pl.BlockSpec((None, rows), lambda j, p=p: (p, j)) for p in (0, 1)],
+        out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, F), out_dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret, name="decode_gate_up_digits")(row.digits, row.factor, q, q, scale, scale)
+
+
+def _gate_up_digits_kernel(digits_ref, factor_ref, gate_ref, up_ref, gate_s_ref, up_s_ref,
+                           o_ref, *, chunk, trigger=False):
+    """One program: its rows' int8 products with the digits, chunk by chunk (a loop Triton
+    pipelines), as int32 sums [DIGIT_ROWS, rows] for gate and for up; each row's sum_d 256^d
+    sums[d] * factor * scale; then silu(gate) * up as `layers.mlp` rounds it."""
+    f32, i32 = jnp.float32, jnp.int32
+    rows = gate_ref.shape[0]
+    program = _launch_dependents(pl.program_id(0)) if trigger else 0
+    d = jnp.arange(DIGIT_ROWS)
+    real = jnp.broadcast_to((d < DIGITS)[:, None], (DIGIT_ROWS, chunk))
+
+    def step(k, sums):
+        at = pl.multiple_of(k * chunk, chunk)
+        x = plt.load(digits_ref.at[:, pl.ds(at, chunk)], mask=real, other=0)
+        return tuple(acc + jax.lax.dot_general(x, plt.load(w_ref.at[:, pl.ds(at, chunk)]),
+                                               (((1,), (1,)), ((), ())), preferred_element_type=i32)
+                     for acc, w_ref in zip(sums, (gate_ref, up_ref)))
+
+    sums = jax.lax.fori_loop(0, digits_ref.shape[1] // chunk, step,
+                             (jnp.zeros((DIGIT_ROWS, rows), i32),) * 2)
+    place = jnp.where(d < DIGITS, jnp.left_shift(1, 8 * jnp.minimum(d, DIGITS - 1)), 0)
+    place = place.astype(f32)[:, None]  # 256^d, exact in float32
+    gate, up = (jnp.sum(acc.astype(f32) * place, axis=0) * factor_ref[0] * s_ref[...]
+                for acc, s_ref in zip(sums, (gate_s_ref, up_s_ref)))
+    gate, up = (y.astype(o_ref.dtype).astype(f32) for y in (gate, up))  # as layers.mlp
+    y = ((gate * jax.nn.sigmoid(gate)).astype(o_ref.dtype).astype(f32) * up).astype(o_ref.dtype)
+    if trigger:  # the signal's result used, so that the compiler keeps it
+        y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
+    o_ref[0, :] = y
 
 
 def _heads_values(heads: SplitHeads) -> int:
@@ -825,6 +927,10 @@ ADD_NORM_TRIGGER = os.environ.get("JAXLLM_PDL_ADD_NORM", "1") != "0"
 # JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
 ADD_NORM_ROWS, ADD_NORM_WARPS = (
     int(x) for x in os.environ.get("JAXLLM_ADD_NORM_TILES", "1,4").split(","))
+# Warps of the one program that also writes a `DigitRow` (see INT8_DIGITS): the 8B shape in
+# int8 with digits before qkv and gate/up took 2.627 ms a step in 16 warps against 2.675 in 4
+# and 2.648 in 8 (H200, same run); without digits 16 warps gave 2.632 against 2.638 (not taken).
+ADD_NORM_DIGIT_WARPS = int(os.environ.get("JAXLLM_ADD_NORM_DIGIT_WARPS", "16"))
 
 
 def add_norm_mode(dtype) -> str | None:
@@ -833,35 +939,48 @@ def add_norm_mode(dtype) -> str | None:
     return _mode(ADD_NORM, dtype)
 
 
-def add_norm(x_MC, delta_MC, norm_C, eps: float, *, mode: str | None = None):
+def add_norm(x_MC, delta_MC, norm_C, eps: float, *, mode: str | None = None,
+             digits: bool = False):
     """(x + delta, rms_norm(x + delta) with weight norm): the residual stream and the next
-    block's normed input, in one kernel per row when `mode` is "gpu" or "interpret", else XLA."""
+    block's normed input, in one kernel per row when `mode` is "gpu" or "interpret", else XLA.
+    With `digits` (one row, a kernel's mode) the normed row comes as a `DigitRow`, for
+    `project`'s tensor-core kernel (INT8_DIGITS)."""
     if mode is None:
         sum_MC = x_MC + delta_MC
         return sum_MC, L.rms_norm(sum_MC, norm_C, eps)
-    return _add_norm_call(x_MC, delta_MC.astype(x_MC.dtype), norm_C, eps=eps,
-                          interpret=mode == "interpret")
+    digits = digits and x_MC.shape[0] == 1
+    out = _add_norm_call(x_MC, delta_MC.astype(x_MC.dtype), norm_C, eps=eps,
+                         interpret=mode == "interpret", digits=digits)
+    return (out[0], DigitRow(*out[1:])) if digits else out
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret):
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "digits"))
+def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret, digits=False):
     M, C = x_MC.shape
     P = _pow2(C)  # the row's tile, masked past C
     rows = min(ADD_NORM_ROWS, M & -M)
     trigger = ADD_NORM_TRIGGER and _pdl_trigger(interpret) and M // rows <= _multiprocessors()
     block = pl.BlockSpec((rows, C), lambda i: (i, 0))
     normed_dtype = jnp.result_type(norm_C.dtype, x_MC.dtype)
+    out_specs = [block, block]
+    out_shape = [jax.ShapeDtypeStruct((M, C), x_MC.dtype), jax.ShapeDtypeStruct((M, C), normed_dtype)]
+    if digits:  # one row (M = 1): its digits and their factor
+        out_specs += [pl.BlockSpec((DIGIT_ROWS, C), lambda i: (0, 0)), pl.BlockSpec((1,), lambda i: (0,))]
+        out_shape += [jax.ShapeDtypeStruct((DIGIT_ROWS, C), jnp.int8),
+                      jax.ShapeDtypeStruct((1,), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_add_norm_kernel, C=C, P=P, eps=eps, trigger=trigger), grid=(M // rows,),
-        in_specs=[block, block, pl.BlockSpec((C,), lambda i: (0,))], out_specs=[block, block],
-        out_shape=[jax.ShapeDtypeStruct((M, C), x_MC.dtype),
-                   jax.ShapeDtypeStruct((M, C), normed_dtype)],
-        compiler_params=plt.CompilerParams(num_warps=ADD_NORM_WARPS, num_stages=1),
+        in_specs=[block, block, pl.BlockSpec((C,), lambda i: (0,))], out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(
+            num_warps=ADD_NORM_DIGIT_WARPS if digits else ADD_NORM_WARPS, num_stages=1),
         interpret=interpret, name="add_norm")(x_MC, delta_MC, norm_C)
 
 
-def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *, C, P, eps, trigger=False):
-    """A few rows: the sum rounded to x's dtype (as XLA's add), then `layers.rms_norm` of it."""
+def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *digit_refs, C, P, eps,
+                     trigger=False):
+    """A few rows: the sum rounded to x's dtype (as XLA's add), then `layers.rms_norm` of it;
+    with `digit_refs` (digits, factor) also the one row's `DigitRow` digits."""
     f32 = jnp.float32
     cols = (jnp.arange(P) < C)[None, :]
     if trigger:  # the signal's result used, so that the compiler keeps it
@@ -874,4 +993,30 @@ def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *, C, P, eps, tri
     plt.store(sum_ref.at[at], total, mask=cols)
     s = total.astype(f32)
     normed = (s * jax.lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) / C + eps)).astype(x_ref.dtype)
-    plt.store(normed_ref.at[at], (g[None, :] * normed.astype(f32)).astype(normed_ref.dtype), mask=cols)
+    normed = (g[None, :] * normed.astype(f32)).astype(normed_ref.dtype)
+    plt.store(normed_ref.at[at], normed, mask=cols)
+    if digit_refs:
+        _store_digits(normed[0].astype(f32), cols[0], *digit_refs)
+
+
+def _store_digits(v, cols, digits_ref, factor_ref):
+    """The row v (float32 [P], zero past the columns `cols`) as `DigitRow` digits and factor.
+
+    Its largest magnitude m = f 2^e (f in [0.5, 1)) sets the unit 2^(e - 30): each value is an
+    integer X of those units, |X| < 2^30 (truncated toward zero below the unit, which drops less
+    than m 2^-30), written as X = sum_d t_d 256^d with t_0..t_2 in [-128, 127] (the bytes of
+    X + 0x808080, less 128) and t_3 = (X + 0x808080) >> 24 in [-64, 64]. A row with an inf or
+    NaN gets the factor NaN, so that its products are NaN as XLA's would be."""
+    i32 = jnp.int32
+    m = jnp.max(jnp.abs(v))
+    biased = (jax.lax.bitcast_convert_type(m, i32) >> 23) & 255  # m's exponent field
+    e = jnp.clip(biased - 126, -96, 128)  # frexp's; zero and tiny rows take -96
+    power = lambda n: jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)  # 2^n, |n| < 127
+    X = (v * power(30 - e)).astype(i32)
+    Y = X + 0x808080
+    for d in range(DIGITS):
+        t = (Y >> 24) if d == DIGITS - 1 else ((Y >> (8 * d)) & 255) - 128
+        plt.store(digits_ref.at[pl.ds(d, 1), pl.ds(0, v.shape[0])], t.astype(jnp.int8)[None, :],
+                  mask=cols[None, :])
+    finite = jnp.sum(v * 0.0) == 0  # no inf or NaN in the row
+    factor_ref[...] = jnp.where(finite, power(e - 30), jnp.nan).reshape(1)

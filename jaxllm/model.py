@@ -229,8 +229,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
                                weights_first=weights_first)
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
+        ffn_digits = ffn_kernel and kernels.project_digits(layer.w_gate_up, proj, swiglu=True)
         x_BTD, normed_BTD = (out_BTD, None) if ffn_norm else \
-            _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps)
+            _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps, digits=ffn_digits)
     with jax.named_scope("moe" if moe else "mlp"):
         folds = ffn_kernel and next_takes
         if ffn_kernel:
@@ -248,15 +249,18 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
             (*_add_norm(fuse, x_BTD, out_BTD, next_norm, eps), kv)
 
 
-def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float):
+def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False):
     """(x + delta, its rms_norm by norm_D) through `kernels.add_norm` under `mode`; (x + delta,
-    None) when there is no mode or no norm to apply, the consumer norming it itself."""
+    None) when there is no mode or no norm to apply, the consumer norming it itself. With
+    `digits` the normed row may come as a `kernels.DigitRow` (its x [B, T, D])."""
     if mode is None or norm_D is None:
         return x_BTD + delta_BTD, None
     B, T, D = x_BTD.shape
-    sum_MD, normed_MD = kernels.add_norm(x_BTD.reshape(B * T, D), delta_BTD.reshape(B * T, D),
-                                         norm_D, eps, mode=mode)
-    return sum_MD.reshape(B, T, D), normed_MD.reshape(B, T, D)
+    sum_MD, normed = kernels.add_norm(x_BTD.reshape(B * T, D), delta_BTD.reshape(B * T, D),
+                                      norm_D, eps, mode=mode, digits=digits)
+    if isinstance(normed, kernels.DigitRow):
+        return sum_MD.reshape(B, T, D), normed.replace(x=normed.x.reshape(B, T, D))
+    return sum_MD.reshape(B, T, D), normed.reshape(B, T, D)
 
 
 def _normed_project(mode: str | None, x_BTD, normed_BTD, w, norm_D, eps: float, **kw):
@@ -279,6 +283,9 @@ def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
     C = w.shape[-1]
     if isinstance(x_BTC, kernels.SplitHeads):  # a decode step's heads, one token per row
         B, T, x_MC = x_BTC.acc.shape[0], 1, x_BTC
+    elif isinstance(x_BTC, kernels.DigitRow):  # one normed row, with its digits
+        B, T, _ = x_BTC.x.shape
+        x_MC = x_BTC.replace(x=x_BTC.x.reshape(B * T, C))
     else:
         B, T, _ = x_BTC.shape
         x_MC = x_BTC.reshape(B * T, C)

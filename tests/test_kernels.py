@@ -455,25 +455,95 @@ def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
-@pytest.mark.parametrize("apart", [True, False])
-def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart):
+@pytest.mark.parametrize("apart, digits", [(True, True), (True, False), (False, True)])
+def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, digits):
     """Before an int8 matrix past KERNEL_MAX_WEIGHTS (the 8B shape's qkv and gate/up; here every
     matrix) a decode step's norm goes through add_norm's kernel, which writes the normed row once,
-    rather than into each of project's programs (INT8_NORM_APART); logits as XLA's either way."""
+    rather than into each of project's programs (INT8_NORM_APART); with INT8_DIGITS, before
+    gate/up also as digits, for the tensor-core kernel. Logits as XLA's every way."""
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
     monkeypatch.setattr(kernels, "INT8_NORM_APART", apart)
+    monkeypatch.setattr(kernels, "INT8_DIGITS", digits)
+    monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide the tiny model
     params = quantize_params(tiny("llama").params)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     folded = spy(monkeypatch, "_project_kernel_call", lambda x, w, norm_C, *a: norm_C is not None)
+    digit_calls = spy(monkeypatch, "_gate_up_digits_call", lambda row, w: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4,
                            ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
-    # Each kind of block the step traces: qkv, o, gate/up, down; then the lm_head.
-    if apart:  # two kinds: the first layer's (x from the embedding, its qkv folding the norm)
-        assert folded == [True, False, False, False] + [False] * 4 + [False]  # and the rest
-        assert rows.count(1) == 2 * 2  # after o and after down in each (the last for the lm_head)
+    # Each kind of block the step traces: qkv, o, gate/up, down; then the lm_head. Two kinds
+    # where norms are apart: the first layer's (x from the embedding, its qkv folding the norm)
+    # and the rest.
+    if apart and digits:  # gate/up from digits
+        assert folded == [True, False, False] + [False, False, False] + [False]
+        assert digit_calls == [params.layers[0].w_gate_up.shape] * 2
+    elif apart:
+        assert folded == [True, False, False, False] + [False] * 4 + [False] and not digit_calls
     else:  # one kind: every qkv and gate/up, and the lm_head, fold their norms
         assert folded == [True, False, True, False] + [True] and rows.count(1) == 0
+        assert not digit_calls
+    if apart:
+        assert rows.count(1) == 2 * 2  # after o and after down in each (the last for the lm_head)
+
+
+def test_add_norm_digits_spell_the_normed_row(monkeypatch):
+    """add_norm's `DigitRow`: factor * sum_d digits[d] 256^d is the normed row it wrote, exactly
+    (bf16 values are exact in the digits' 2^-30 of the largest); a zero row gives zero digits and
+    a finite factor; a row with an inf gets a NaN factor, so that its products are NaN."""
+    C = 200  # a masked tile of 256
+    key = jax.random.key(7)
+    x = (jax.random.normal(key, (1, C)) * 3).astype(jnp.bfloat16).at[0, 5].set(900.0)
+    g = (1 + jax.random.normal(jax.random.fold_in(key, 1), (C,)) / 4).astype(jnp.bfloat16)
+    x = x.at[0, 7].set(1e-6)  # far below the unit 2^(e - 30): truncated, not exact
+    _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret", digits=True)
+    _, normed = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret")
+    assert isinstance(row, kernels.DigitRow) and row.digits.shape == (kernels.DIGIT_ROWS, C)
+    np.testing.assert_array_equal(np.asarray(row.x), np.asarray(normed))
+    d = np.asarray(row.digits[:kernels.DIGITS], np.float64)
+    assert np.abs(d[:3]).max() <= 128 and np.abs(d[3]).max() <= 64
+    spelled = np.sum(d * 256.0 ** np.arange(4)[:, None], axis=0) * float(row.factor[0])
+    want = np.asarray(normed[0], np.float64)
+    big = np.abs(want) > np.abs(want).max() * 2 ** -20
+    np.testing.assert_array_equal(spelled[big], want[big])
+    assert np.abs(spelled - want).max() <= np.abs(want).max() * 2 ** -29
+    _, zero = kernels.add_norm(jnp.zeros_like(x), jnp.zeros_like(x), g, 1e-5, mode="interpret",
+                               digits=True)
+    assert not np.asarray(zero.digits[:4]).any() and np.isfinite(float(zero.factor[0]))
+    _, bad = kernels.add_norm(x.at[0, 3].set(jnp.inf), jnp.zeros_like(x), g, 1e-5,
+                              mode="interpret", digits=True)
+    assert np.isnan(float(bad.factor[0]))
+
+
+def test_gate_up_from_digits_equals_xla(monkeypatch):
+    """The tensor-core kernel from a `DigitRow` (several chunks and programs) against XLA's
+    SwiGLU of the normed row: within a float32 rounding before silu (its int32 sums are exact,
+    XLA rounds its own); NaN where the row had an inf. Other matrices ignore the digits."""
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 64, 4, 3))
+    jax.clear_caches()
+    C, F = 256, 96
+    key = jax.random.key(11)
+    w = quantize(jax.random.normal(key, (2, F, C)))
+    x = (jax.random.normal(jax.random.fold_in(key, 1), (1, C)) * 3).at[0, 9].set(-400.0)
+    g = jnp.ones((C,), jnp.float32)
+    _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret", digits=True)
+    assert kernels.project_digits(w, "interpret", swiglu=True)
+    calls = spy(monkeypatch, "_gate_up_digits_call")
+    got = kernels.project(row, w, swiglu=True, mode="interpret")
+    want = kernels.project(row.x, w, swiglu=True, mode=None)
+    assert len(calls) == 1 and got.shape == want.shape == (1, F)
+    assert rel_err(got, want) < 1e-6
+    _, bad = kernels.add_norm(x.at[0, 2].set(jnp.inf), jnp.zeros_like(x), g, 1e-5,
+                              mode="interpret", digits=True)
+    assert np.isnan(np.asarray(kernels.project(bad, w, swiglu=True, mode="interpret"))).all()
+    w_o, before = quantize(jax.random.normal(key, (F, C))), len(calls)  # not SwiGLU: of row.x
+    assert not kernels.project_digits(w_o, "interpret")
+    np.testing.assert_array_equal(np.asarray(kernels.project(row, w_o, mode="interpret")),
+                                  np.asarray(kernels.project(row.x, w_o, mode="interpret")))
+    assert len(calls) == before
+    monkeypatch.setattr(kernels, "DIGIT_TILES", (64, 64, 4, 3))  # rows that do not divide F = 96
+    assert not kernels.project_digits(w, "interpret", swiglu=True)
 
 
 @pytest.mark.parametrize("dtype, C, M, rows", [(jnp.float32, 80, 5, 1), (jnp.float32, 64, 5, 1),
