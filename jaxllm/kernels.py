@@ -180,8 +180,12 @@ class SplitHeads:
 # 2.6766, qkv alone 2.6937 (its kernel after add_norm's lone program lost what the chain won);
 # both with add_norm in 16 warps (ADD_NORM_DIGIT_WARPS; the digits are its extra work) 2.627.
 # As landed (gate/up only, add_norm in 16 warps; another machine, same run): 2.5640 and 2.5599
-# ms a step against 2.6223 and 2.6175 (390 tok/s against 382). down and o cannot take it: their
-# inputs come from kernels of many programs, none of which can make the row's one factor.
+# ms a step against 2.6223 and 2.6175 (390 tok/s against 382). o cannot take it: its input
+# comes from the attention's many programs, none of which can make the row's one factor. down
+# took gate/up's output as digits with a factor for each program's block of 64 channels, each
+# block's int32 products scaled into float32 sums as they came, and lost badly: 3.2035 and
+# 3.2039 ms a step against 2.5528 and 2.5562 (32 rows, chunks of 512; 3.1806 in chunks of 256,
+# 4.1385 in 16 rows; same run, gpu_check passing).
 # JAXLLM_INT8_DIGITS=0 turns it off; JAXLLM_INT8_DIGIT_TILES ("rows,chunk,warps,stages": rows
 # of each of gate and up a program, channels a loop step) overrides the tiles for benchmarking.
 INT8_DIGITS = os.environ.get("JAXLLM_INT8_DIGITS", "1") != "0"
