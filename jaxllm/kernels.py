@@ -442,6 +442,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     `weights_first`: the kernel asks for its weights before its input, where they fit one chunk
     (see `weights_first`); the same result, bit for bit. A float matrix's kernel makes the norm's
     sum of squares after the products (SQUARES_LAST), also bit for bit.
+    x may be a `DigitRow` (`add_norm`'s, with `digits`): a large int8 SwiGLU gate/up then takes
+    the tensor-core kernel (`project_digits`, INT8_DIGITS); any other w, the row's x.
     """
     if isinstance(x_MC, DigitRow):
         if norm_C is None and bias_N is None and residual_MN is None and project_digits(
