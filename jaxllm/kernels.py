@@ -177,7 +177,7 @@ class SplitHeads:
 # 256 channels, 4 warps, 3 stages), qkv 11.7-14.5 against 13.2-15.2 (16 or 32 rows), down
 # 18.4-18.6 against 22.0-22.6, o 9.3-9.9 against 8.9-10.1. End to end (bench, 8B int8, one
 # run): gate/up so 2.5789 ms a step against 2.6397 and 2.6377 without; qkv too 2.6751 and
-# 2.6766, qkv alone 2.6937 (its kernel after add_norm's lone program lost what the chain won);
+# 2.6766, qkv alone 2.6937 (it lost end to end what its chains won; why, I did not find);
 # both with add_norm in 16 warps (ADD_NORM_DIGIT_WARPS; the digits are its extra work) 2.627.
 # As landed (gate/up only, add_norm in 16 warps; another machine, same run): 2.5640 and 2.5599
 # ms a step against 2.6223 and 2.6175 (390 tok/s against 382). o cannot take it: its input
@@ -185,7 +185,7 @@ class SplitHeads:
 # took gate/up's output as digits with a factor for each program's block of 64 channels, each
 # block's int32 products scaled into float32 sums as they came, and lost badly: 3.2035 and
 # 3.2039 ms a step against 2.5528 and 2.5562 (32 rows, chunks of 512; 3.1806 in chunks of 256,
-# 4.1385 in 16 rows; same run, gpu_check passing).
+# 4.1385 in 16 rows; same run, gpu_check passing; that code is not kept).
 # JAXLLM_INT8_DIGITS=0 turns it off; JAXLLM_INT8_DIGIT_TILES ("rows,chunk,warps,stages": rows
 # of each of gate and up a program, channels a loop step) overrides the tiles for benchmarking.
 INT8_DIGITS = os.environ.get("JAXLLM_INT8_DIGITS", "1") != "0"
@@ -196,8 +196,9 @@ DIGIT_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_INT8_DIGIT_TILES", "6
 
 @struct.dataclass
 class DigitRow:
-    """One normed row x [1, C] in the model dtype, with its int8 digits [DIGIT_ROWS, C] (rows
-    past DIGITS never read) and float32 factor [1]: x = factor * sum_d digits[d] 256^d."""
+    """One normed row x [1, C] in the model dtype ([1, 1, C] in `model`'s hands), with its int8
+    digits [DIGIT_ROWS, C] (rows past DIGITS never read) and float32 factor [1]:
+    x = factor * sum_d digits[d] 256^d."""
     x: jax.Array
     digits: jax.Array
     factor: jax.Array
@@ -936,6 +937,7 @@ ADD_NORM_ROWS, ADD_NORM_WARPS = (
 # Warps of the one program that also writes a `DigitRow` (see INT8_DIGITS): the 8B shape in
 # int8 with digits before qkv and gate/up took 2.627 ms a step in 16 warps against 2.675 in 4
 # and 2.648 in 8 (H200, same run); without digits 16 warps gave 2.632 against 2.638 (not taken).
+# With digits before gate/up only, as landed, 4 warps were not measured against 16.
 ADD_NORM_DIGIT_WARPS = int(os.environ.get("JAXLLM_ADD_NORM_DIGIT_WARPS", "16"))
 
 
