@@ -11,7 +11,8 @@
   long caches split over programs, a sliding window, Qwen3's head norms), and decode steps
   through it against XLA's masked form at real model widths;
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
-  int8 weights; the o projection from uncombined attention splits) against float32 XLA at
+  int8 weights; the o projection from uncombined attention splits; an int8 gate/up from
+  `add_norm`'s int8 digits, on tensor cores) against float32 XLA at
   Qwen3-0.6B and SmolLM2 widths, int8 at the 8B shape's, and batch-1 decode through it (splits
   combined in the o projection);
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
@@ -180,6 +181,15 @@ def decode_project():
             want = kernels.project(upcast(a), jax.tree.map(upcast, m32), mode=None,
                                    **jax.tree.map(upcast, arrays), **static)
             check(f"decode project D={D} {name}", rel(got, want), 2e-2)
+        if D == 4096:  # gate/up from add_norm's int8 digits, on tensor cores (INT8_DIGITS)
+            w_int8 = quantize(w_gate_up)
+            _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="gpu", digits=True)
+            got = kernels.project(row, w_int8, swiglu=True, mode="gpu")
+            want = kernels.project(upcast(x), w_int8.replace(dtype=f32), norm_C=upcast(g), eps=1e-5,
+                                   swiglu=True)
+            taken = isinstance(row, kernels.DigitRow) and kernels.project_digits(w_int8, "gpu", True)
+            check(f"decode project D={D} int8 gate/up + swiglu from add_norm's digits"
+                  f"{'' if taken else ' (NOT TAKEN)'}", rel(got, want) if taken else 1.0, 2e-2)
 
     for K, G, H, D in [(8, 2, 128, 1024), (3, 3, 64, 576)]:  # o from uncombined attention splits
         keys = jax.random.split(jax.random.key(K * H), 5)
@@ -193,7 +203,8 @@ def decode_project():
 
     # Batch-1 decode through both kernels, against XLA; Llama-3.2-1B's FFN and the 8B shape's
     # matrices are too large for project's kernel: their norms go through add_norm's. In int8 the
-    # 8B shape's matrices take project's kernel, their norms still add_norm's (INT8_NORM_APART).
+    # 8B shape's matrices take project's kernel, their norms still add_norm's (INT8_NORM_APART),
+    # but gate/up, which takes add_norm's digits on tensor cores (INT8_DIGITS).
     for name, int8 in [("qwen3-0.6b", False), ("llama3.2-1b", False), ("llama3-8b", False),
                        ("llama3-8b", True)]:
         cfg, params, tokens, start = _ragged_batch(name, seed=3)
