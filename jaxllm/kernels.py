@@ -575,8 +575,7 @@ def _gate_up_digits_kernel(digits_ref, factor_ref, gate_ref, up_ref, gate_s_ref,
     place = place.astype(f32)[:, None]  # 256^d, exact in float32
     gate, up = (jnp.sum(acc.astype(f32) * place, axis=0) * factor_ref[0] * s_ref[...]
                 for acc, s_ref in zip(sums, (gate_s_ref, up_s_ref)))
-    gate, up = (y.astype(o_ref.dtype).astype(f32) for y in (gate, up))  # as layers.mlp
-    y = ((gate * jax.nn.sigmoid(gate)).astype(o_ref.dtype).astype(f32) * up).astype(o_ref.dtype)
+    y = _swiglu(gate, up, o_ref.dtype).astype(o_ref.dtype)
     if trigger:  # the signal's result used, so that the compiler keeps it
         y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
     o_ref[0, :] = y
@@ -718,9 +717,8 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
         ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]
     ys = [y if s_ref is None else y * s_ref[...] for y, s_ref in zip(ys, s_refs)]
-    if swiglu:  # as layers.mlp: the products in x's dtype, then silu(gate) * up
-        gate, up = (y.astype(dtype).astype(f32) for y in ys)
-        y = (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(f32) * up
+    if swiglu:
+        y = _swiglu(*ys, dtype)
     else:
         y = ys[0]
     y = y.astype(o_ref.dtype)
@@ -731,6 +729,13 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     if trigger:  # the signal's result used, so that the compiler keeps it
         y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
     o_ref[0, :] = y
+
+
+def _swiglu(gate, up, dtype):
+    """silu(gate) * up in float32, from float32 sums, rounded as `layers.mlp` rounds it: the
+    products in the model's dtype, then silu(gate) in it."""
+    gate, up = (y.astype(dtype).astype(jnp.float32) for y in (gate, up))
+    return (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(jnp.float32) * up
 
 
 # How the kernel converts int8 weights to float32 on a GPU: "permute" (`_INT8_ASM`) or "i2f"
