@@ -11,7 +11,7 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`);
 their norms go through `add_norm` instead (`INT8_NORM_APART`), which also writes the normed row
-as int8 digits for a large int8 gate/up's tensor-core kernel (`INT8_DIGITS`).
+as int8 digits for the tensor-core kernel of a large int8 gate/up or lm_head (`INT8_DIGITS`).
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
@@ -166,32 +166,51 @@ class SplitHeads:
                 / jnp.sum(self.l * w_BPKG, axis=1)[..., None]).astype(self.dtype)
 
 
-# The gate/up matrix of a large int8 SwiGLU (one in INT8_TILES, its norm apart) takes a
-# tensor-core kernel: `add_norm` writes the normed row x also as DIGITS int8 digits of base 256
-# with one float32 factor (`DigitRow`), x = factor * sum_d digit_d 256^d exactly (to 2^-30 of
-# its largest magnitude, where float32 sums round at 2^-24), and each program multiplies its
-# int8 weights by the digits as tensor-core int8 products (mma, exact int32 sums), with no
-# conversion of the weights at all; the digit rows are the product's 16 rows, those past DIGITS
-# never read (masked). Chains of 8 of the 8B shape's matrices on an H200, us a matrix against
-# `project`'s kernel (norm apart): gate/up 31.0-31.7 against 33.9-34.1 (tiles 64 or 32 rows of
-# 256 channels, 4 warps, 3 stages), qkv 11.7-14.5 against 13.2-15.2 (16 or 32 rows), down
-# 18.4-18.6 against 22.0-22.6, o 9.3-9.9 against 8.9-10.1. End to end (bench, 8B int8, one
-# run): gate/up so 2.5789 ms a step against 2.6397 and 2.6377 without; qkv too 2.6751 and
-# 2.6766, qkv alone 2.6937 (it lost end to end what its chains won; why, I did not find);
-# both with add_norm in 16 warps (ADD_NORM_DIGIT_WARPS; the digits are its extra work) 2.627.
-# As landed (gate/up only, add_norm in 16 warps; another machine, same run): 2.5640 and 2.5599
-# ms a step against 2.6223 and 2.6175 (390 tok/s against 382). o cannot take it: its input
-# comes from the attention's many programs, none of which can make the row's one factor. down
-# took gate/up's output as digits with a factor for each program's block of 64 channels, each
+# The gate/up matrix of a large int8 SwiGLU (one in INT8_TILES, its norm apart) and an int8
+# lm_head past KERNEL_MAX_INT8_WEIGHTS (XLA's otherwise) take a tensor-core kernel: `add_norm`
+# writes the normed row x also as DIGITS int8 digits of base 256 with one float32 factor
+# (`DigitRow`), x = factor * sum_d digit_d 256^d exactly (to 2^-30 of its largest magnitude,
+# where float32 sums round at 2^-24), and each program multiplies its int8 weights by the digits
+# as tensor-core int8 products (mma, exact int32 sums), with no conversion of the weights at
+# all; the digit rows are the product's 16 rows, those past DIGITS never read (masked). Chains
+# of 8 of the 8B shape's matrices on an H200, us a matrix against `project`'s kernel (norm
+# apart): gate/up 31.0-31.7 against 33.9-34.1 (tiles 64 or 32 rows of 256 channels, 4 warps, 3
+# stages), qkv 11.7-14.5 against 13.2-15.2 (16 or 32 rows), down 18.4-18.6 against 22.0-22.6,
+# o 9.3-9.9 against 8.9-10.1. End to end (bench, 8B int8, one run): gate/up so 2.5789 ms a step
+# against 2.6397 and 2.6377 without; qkv too 2.6751 and 2.6766, qkv alone 2.6937 (it lost end
+# to end what its chains won; why, I did not find); both with add_norm in 16 warps
+# (ADD_NORM_DIGIT_WARPS; the digits are its extra work) 2.627. gate/up alone, landed first
+# (add_norm in 16 warps; another machine, same run): 2.5640 and 2.5599 ms a step against 2.6223
+# and 2.6175 (390 tok/s against 382). The lm_head then (525M weights, 3.65 TB/s in XLA's
+# reduction; one same-run set, 64 rows of 256): 2.5383 ms a step against 2.5711 and 2.5609
+# without; in another run 2.5315 and 2.5504 against 2.5726 (392-395 tok/s against 389-391);
+# as landed, on another machine, 2.5227 and 2.5157 against 2.5453 and 2.5469 (397 against 393);
+# its tiles 64 rows of 1024, 32 of 1024 and 128 of 256 gave 2.5461, 2.5444 and 2.5446, 4
+# stages 2.5421, 8 warps 2.5442, chunks of 512 2.5333. qkv at larger tiles lost still: 32 rows
+# of 1024 channels 2.5833 against 2.5711 and 2.5609 (512: 2.5936, 16 rows of 1024 2.6749, 64
+# of 512 2.5902, 32 of 256 2.6279). gate/up's other tiles, with the lm_head's: 32 rows 2.5494, 4
+# stages 2.5674, chunks of 512 2.5807, 8 warps 2.5619, 128 rows of 128 2.6593, against 2.5315
+# and 2.5504 (add_norm in 8 warps 2.5537, 4 warps 2.5595). o cannot take digits: its input comes
+# from the attention's many programs, none of which can make the row's one factor. down took
+# gate/up's output as digits with a factor for each program's block of 64 channels, each
 # block's int32 products scaled into float32 sums as they came, and lost badly: 3.2035 and
 # 3.2039 ms a step against 2.5528 and 2.5562 (32 rows, chunks of 512; 3.1806 in chunks of 256,
-# 4.1385 in 16 rows; same run, gpu_check passing; that code is not kept).
-# JAXLLM_INT8_DIGITS=0 turns it off; JAXLLM_INT8_DIGIT_TILES ("rows,chunk,warps,stages": rows
-# of each of gate and up a program, channels a loop step) overrides the tiles for benchmarking.
+# 4.1385 in 16 rows; same run, gpu_check passing; that code is not kept). down making the row's
+# digits itself in each program (the row's largest magnitude from a first pass over it, then
+# each chunk's digits in registers before its product; gpu_check passing) lost too: 3.1959 ms
+# a step against 2.5654 in chunks of 256, 2.8499 in 512, 2.633 and 2.646 in 1024 (a chunk of
+# the row loaded one step ahead) against 2.565-2.574, 2.7212 in 16 rows of 2048; not kept.
+# JAXLLM_INT8_DIGITS=0 turns it off, JAXLLM_INT8_HEAD_DIGITS=0 for the lm_head only;
+# JAXLLM_INT8_DIGIT_TILES and JAXLLM_INT8_HEAD_DIGIT_TILES ("rows,chunk,warps,stages": rows of
+# each of gate and up, or of the lm_head, a program; channels a loop step) override the tiles
+# for benchmarking.
 INT8_DIGITS = os.environ.get("JAXLLM_INT8_DIGITS", "1") != "0"
+INT8_HEAD_DIGITS = os.environ.get("JAXLLM_INT8_HEAD_DIGITS", "1") != "0"
 DIGITS = 4
 DIGIT_ROWS = 16  # a tensor-core product's fewest rows: the digits, then rows never read
 DIGIT_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_INT8_DIGIT_TILES", "64,256,4,3").split(","))
+HEAD_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
+    "JAXLLM_INT8_HEAD_DIGIT_TILES", "64,256,4,3").split(","))
 
 
 @struct.dataclass
@@ -443,14 +462,15 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     `weights_first`: the kernel asks for its weights before its input, where they fit one chunk
     (see `weights_first`); the same result, bit for bit. A float matrix's kernel makes the norm's
     sum of squares after the products (SQUARES_LAST), also bit for bit.
-    x may be a `DigitRow` (`add_norm`'s, with `digits`): a large int8 SwiGLU gate/up then takes
-    the tensor-core kernel (`project_digits`, INT8_DIGITS); any other w, the row's x.
+    x may be a `DigitRow` (`add_norm`'s, with `digits`): a large int8 SwiGLU gate/up or lm_head
+    then takes the tensor-core kernel (`project_digits`, INT8_DIGITS); any other w, the row's x.
     """
     if isinstance(x_MC, DigitRow):
         if norm_C is None and bias_N is None and residual_MN is None and project_digits(
                 w_NC, mode, swiglu):
-            return _gate_up_digits_call(x_MC, w_NC, out_dtype=jnp.dtype(out_dtype or x_MC.x.dtype),
-                                        interpret=mode == "interpret")
+            return _digits_call(x_MC, w_NC, swiglu=swiglu,
+                                out_dtype=jnp.dtype(out_dtype or x_MC.x.dtype),
+                                interpret=mode == "interpret")
         x_MC = x_MC.x
     heads = x_MC if isinstance(x_MC, SplitHeads) else None
     if heads is not None:
@@ -520,44 +540,69 @@ def _int8_tiled(w_NC) -> bool:
     return isinstance(w_NC, QuantizedWeight) and math.prod(w_NC.shape) > KERNEL_MAX_WEIGHTS
 
 
-def project_digits(w_NC, mode: str | None, swiglu: bool = False) -> bool:
+def project_digits(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
     """Whether the norm before w should come as a `DigitRow` (`add_norm(digits=True)`), for the
-    tensor-core kernel (INT8_DIGITS): where w is SwiGLU's large int8 gate/up, its norm apart,
-    and the tiles divide it (C below 2^31 / (128 * 127), so that the int32 sums cannot wrap)."""
-    if not (INT8_DIGITS and swiglu and project_takes(w_NC, mode, swiglu)
-            and not project_folds_norm(w_NC, mode, swiglu)):
+    tensor-core kernel (INT8_DIGITS): where w is SwiGLU's large int8 gate/up, its norm apart, or
+    an int8 matrix past KERNEL_MAX_INT8_WEIGHTS without bias (w [..., C]: the lm_head, which XLA
+    would take), and the tiles divide it (C below 2^31 / (128 * 127), so that the int32 sums
+    cannot wrap)."""
+    if not (INT8_DIGITS and mode is not None and isinstance(w_NC, QuantizedWeight)) or biased:
         return False
-    _, F, C = w_NC.shape
-    rows, chunk, _, _ = DIGIT_TILES
-    return F % rows == 0 and C % chunk == 0 and C * 128 * 127 < 2**31
+    if swiglu:
+        N = w_NC.shape[1]
+        if not project_takes(w_NC, mode, swiglu) or project_folds_norm(w_NC, mode, swiglu):
+            return False
+    else:
+        N = math.prod(w_NC.shape[:-1])
+        if not (INT8_HEAD_DIGITS and N * w_NC.shape[-1] > KERNEL_MAX_INT8_WEIGHTS):
+            return False
+    rows, chunk, _, _ = _digit_tiles(swiglu)
+    C = w_NC.shape[-1]
+    return N % rows == 0 and C % chunk == 0 and C * 128 * 127 < 2**31
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def _gate_up_digits_call(row: DigitRow, w_2FC, *, out_dtype, interpret):
-    """`project(row, w, swiglu=True)` of a `DigitRow` against SwiGLU's quantized gate/up
-    [2, F, C]: one program per `rows` output channels of each, its weights streamed in chunks."""
-    q, scale = w_2FC.q, w_2FC.scale.astype(jnp.float32)
-    rows, chunk, warps, stages = DIGIT_TILES  # dividing F and C (`project_digits`)
-    _, F, C = q.shape
-    kernel = functools.partial(_gate_up_digits_kernel, chunk=chunk, trigger=_pdl_trigger(interpret))
+def _digit_tiles(swiglu: bool):
+    """(rows, chunk, warps, stages) of `_digits_call`: gate/up's, or the lm_head's."""
+    return DIGIT_TILES if swiglu else HEAD_DIGIT_TILES
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu", "out_dtype", "interpret"))
+def _digits_call(row: DigitRow, w, *, swiglu, out_dtype, interpret):
+    """`project(row, w)` of a `DigitRow` against a quantized w [N, C], or with `swiglu` against
+    SwiGLU's gate/up [2, F, C]: one program per `rows` output channels (of each of gate and up),
+    its weights streamed in chunks."""
+    q, scale = w.q, w.scale.astype(jnp.float32)
+    rows, chunk, warps, stages = _digit_tiles(swiglu)  # dividing N and C (`project_digits`)
+    N, C = q.shape[-2:]
+    if swiglu:
+        w_specs = [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
+        s_specs = [pl.BlockSpec((None, rows), lambda j, p=p: (p, j)) for p in (0, 1)]
+        args = [q, q, scale, scale]
+    else:
+        w_specs = [pl.BlockSpec((rows, C), lambda j: (j, 0))]
+        s_specs = [pl.BlockSpec((rows,), lambda j: (j,))]
+        args = [q, scale]
+    kernel = functools.partial(_digits_kernel, chunk=chunk, swiglu=swiglu,
+                               trigger=_pdl_trigger(interpret))
     return pl.pallas_call(
-        kernel, grid=(F // rows,),
+        kernel, grid=(N // rows,),
         in_specs=[pl.BlockSpec((DIGIT_ROWS, C), lambda j: (0, 0)), pl.BlockSpec((1,), lambda j: (0,))]
-        + [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
-        + [pl.BlockSpec((None, rows), lambda j, p=p: (p, j)) for p in (0, 1)],
+        + w_specs + s_specs,
         out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((1, F), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((1, N), out_dtype),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name="decode_gate_up_digits")(row.digits, row.factor, q, q, scale, scale)
+        interpret=interpret, name="decode_gate_up_digits" if swiglu else "decode_head_digits")(
+            row.digits, row.factor, *args)
 
 
-def _gate_up_digits_kernel(digits_ref, factor_ref, gate_ref, up_ref, gate_s_ref, up_s_ref,
-                           o_ref, *, chunk, trigger=False):
+def _digits_kernel(digits_ref, factor_ref, *refs, chunk, swiglu, trigger=False):
     """One program: its rows' int8 products with the digits, chunk by chunk (a loop Triton
-    pipelines), as int32 sums [DIGIT_ROWS, rows] for gate and for up; each row's sum_d 256^d
-    sums[d] * factor * scale; then silu(gate) * up as `layers.mlp` rounds it."""
+    pipelines), as int32 sums [DIGIT_ROWS, rows] (for gate and for up); each row's
+    sum_d 256^d sums[d] * factor * scale; with `swiglu` silu(gate) * up as `layers.mlp` rounds it."""
     f32, i32 = jnp.float32, jnp.int32
-    rows = gate_ref.shape[0]
+    n = 2 if swiglu else 1
+    w_refs, s_refs, (o_ref,) = refs[:n], refs[n:2 * n], refs[2 * n:]
+    rows = w_refs[0].shape[0]
     program = _launch_dependents(pl.program_id(0)) if trigger else 0
     d = jnp.arange(DIGIT_ROWS)
     real = jnp.broadcast_to((d < DIGITS)[:, None], (DIGIT_ROWS, chunk))
@@ -567,15 +612,15 @@ def _gate_up_digits_kernel(digits_ref, factor_ref, gate_ref, up_ref, gate_s_ref,
         x = plt.load(digits_ref.at[:, pl.ds(at, chunk)], mask=real, other=0)
         return tuple(acc + jax.lax.dot_general(x, plt.load(w_ref.at[:, pl.ds(at, chunk)]),
                                                (((1,), (1,)), ((), ())), preferred_element_type=i32)
-                     for acc, w_ref in zip(sums, (gate_ref, up_ref)))
+                     for acc, w_ref in zip(sums, w_refs))
 
     sums = jax.lax.fori_loop(0, digits_ref.shape[1] // chunk, step,
-                             (jnp.zeros((DIGIT_ROWS, rows), i32),) * 2)
+                             (jnp.zeros((DIGIT_ROWS, rows), i32),) * n)
     place = jnp.where(d < DIGITS, jnp.left_shift(1, 8 * jnp.minimum(d, DIGITS - 1)), 0)
     place = place.astype(f32)[:, None]  # 256^d, exact in float32
-    gate, up = (jnp.sum(acc.astype(f32) * place, axis=0) * factor_ref[0] * s_ref[...]
-                for acc, s_ref in zip(sums, (gate_s_ref, up_s_ref)))
-    y = _swiglu(gate, up, o_ref.dtype).astype(o_ref.dtype)
+    ys = [jnp.sum(acc.astype(f32) * place, axis=0) * factor_ref[0] * s_ref[...]
+          for acc, s_ref in zip(sums, s_refs)]
+    y = (_swiglu(*ys, o_ref.dtype) if swiglu else ys[0]).astype(o_ref.dtype)
     if trigger:  # the signal's result used, so that the compiler keeps it
         y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
     o_ref[0, :] = y
@@ -942,7 +987,8 @@ ADD_NORM_ROWS, ADD_NORM_WARPS = (
 # Warps of the one program that also writes a `DigitRow` (see INT8_DIGITS): the 8B shape in
 # int8 with digits before qkv and gate/up took 2.627 ms a step in 16 warps against 2.675 in 4
 # and 2.648 in 8 (H200, same run); without digits 16 warps gave 2.632 against 2.638 (not taken).
-# With digits before gate/up only, as landed, 4 warps were not measured against 16.
+# With digits before gate/up and the lm_head, as landed, 8 warps took 2.5537 ms and 4 2.5595
+# against 2.5315 and 2.5504 in 16 (another machine, same run).
 ADD_NORM_DIGIT_WARPS = int(os.environ.get("JAXLLM_ADD_NORM_DIGIT_WARPS", "16"))
 
 

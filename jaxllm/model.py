@@ -172,6 +172,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
         next_takes = proj is not None and kernels.project_folds_norm(next_w, proj, biased=next_bias)
+        next_digits = proj is not None and B * T == 1 and kernels.project_digits(
+            next_w, proj, biased=next_bias)
         # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
         # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
         ahead_w = next_w if proj and kernels.prefetched(next_w) else None
@@ -182,7 +184,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                 layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
                 unroll_BT, fused_args, next_norm, ahead_w, cfg=cfg, window=window, moe=cfg.is_moe(i),
                 proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
-                fused_static=fused_static, next_takes=next_takes, weights_first=first)
+                fused_static=fused_static, next_takes=next_takes, next_digits=next_digits,
+                weights_first=first)
         new_kv.append(kv)
     if fresh:
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
@@ -196,10 +199,11 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
 
 @partial(jax.jit, inline=True, static_argnames=(
     "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes",
-    "weights_first"))
+    "next_digits", "weights_first"))
 def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
            unroll_BT, fused_args, next_norm, next_w, *, cfg: ModelConfig, window, moe: bool, proj,
-           fuse, rope_scale, axis, fused_static, next_takes: bool, weights_first: bool = False):
+           fuse, rope_scale, axis, fused_static, next_takes: bool, next_digits: bool = False,
+           weights_first: bool = False):
     """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
     through `next_norm` where `kernels.add_norm` made it, else None.
 
@@ -246,7 +250,7 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
             out_BTD = _ffn_block(cfg, moe, layer, normed_BTD, axis)
         # folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
         return (out_BTD, None, kv) if folds else \
-            (*_add_norm(fuse, x_BTD, out_BTD, next_norm, eps), kv)
+            (*_add_norm(fuse, x_BTD, out_BTD, next_norm, eps, digits=next_digits), kv)
 
 
 def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False):
@@ -325,7 +329,8 @@ def _forward(params: Params, tokens_BT):
 def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
     x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh)
     proj = _project_mode(params, *tokens_BT.shape, axis)
-    normed_BTD = None if normed_BTD is None else normed_BTD[:, -1:]
+    if normed_BTD is not None and not isinstance(normed_BTD, kernels.DigitRow):  # one row if digits
+        normed_BTD = normed_BTD[:, -1:]
     return logits(params, x_BTD[:, -1:], proj, normed_BTD)[:, 0], cache
 
 

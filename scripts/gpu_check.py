@@ -190,6 +190,14 @@ def decode_project():
             taken = isinstance(row, kernels.DigitRow) and kernels.project_digits(w_int8, "gpu", True)
             check(f"decode project D={D} int8 gate/up + swiglu from add_norm's digits"
                   f"{'' if taken else ' (NOT TAKEN)'}", rel(got, want) if taken else 1.0, 2e-2)
+            # an int8 lm_head past KERNEL_MAX_INT8_WEIGHTS from the final norm's digits
+            head = quantize(jax.random.normal(keys[0], (40960, D), bf16) * D ** -0.5)
+            got = kernels.project(row, head, mode="gpu", out_dtype=f32)
+            want = kernels.project(upcast(x), head.replace(dtype=f32), norm_C=upcast(g), eps=1e-5,
+                                   out_dtype=f32)
+            taken = kernels.project_digits(head, "gpu") or not kernels.INT8_HEAD_DIGITS
+            check(f"decode project D={D} int8 lm_head, float32, from add_norm's digits"
+                  f"{'' if taken else ' (NOT TAKEN)'}", rel(got, want) if taken else 1.0, 2e-2)
 
     for K, G, H, D in [(8, 2, 128, 1024), (3, 3, 64, 576)]:  # o from uncombined attention splits
         keys = jax.random.split(jax.random.key(K * H), 5)
@@ -204,7 +212,7 @@ def decode_project():
     # Batch-1 decode through both kernels, against XLA; Llama-3.2-1B's FFN and the 8B shape's
     # matrices are too large for project's kernel: their norms go through add_norm's. In int8 the
     # 8B shape's matrices take project's kernel, their norms still add_norm's (INT8_NORM_APART),
-    # but gate/up, which takes add_norm's digits on tensor cores (INT8_DIGITS).
+    # but gate/up and the lm_head, which take add_norm's digits on tensor cores (INT8_DIGITS).
     for name, int8 in [("qwen3-0.6b", False), ("llama3.2-1b", False), ("llama3-8b", False),
                        ("llama3-8b", True)]:
         cfg, params, tokens, start = _ragged_batch(name, seed=3)

@@ -6,6 +6,7 @@ epilogues are checked in float32 against the reference functions in `layers`.
 """
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -468,7 +469,7 @@ def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, d
     params = quantize_params(tiny("llama").params)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     folded = spy(monkeypatch, "_project_kernel_call", lambda x, w, norm_C, *a: norm_C is not None)
-    digit_calls = spy(monkeypatch, "_gate_up_digits_call", lambda row, w: w.shape)
+    digit_calls = spy(monkeypatch, "_digits_call", lambda row, w: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4,
                            ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
@@ -485,6 +486,28 @@ def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, d
         assert not digit_calls
     if apart:
         assert rows.count(1) == 2 * 2  # after o and after down in each (the last for the lm_head)
+
+
+@pytest.mark.parametrize("head_digits", [True, False])
+def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits):
+    """An int8 lm_head past KERNEL_MAX_INT8_WEIGHTS (XLA's otherwise; here the tiny model's) takes
+    the tensor-core kernel from the final add_norm's digits, once a step; the layers' matrices
+    (within the limit here) do not. Logits as XLA's either way; JAXLLM_INT8_HEAD_DIGITS=0 keeps
+    XLA's product."""
+    params = quantize_params(tiny("llama").params)
+    head = params.embed if params.lm_head is None else params.lm_head
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", math.prod(head.shape) - 1)
+    monkeypatch.setattr(kernels, "INT8_HEAD_DIGITS", head_digits)
+    monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide it
+    assert all(math.prod(w.shape) < math.prod(head.shape)
+               for w in jax.tree.leaves(params.layers[0], is_leaf=lambda a: isinstance(a, QuantizedWeight))
+               if isinstance(w, QuantizedWeight))
+    digit_calls = spy(monkeypatch, "_digits_call", lambda row, w: w.shape)
+    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), 4,
+                           ["DECODE_PROJECT", "ADD_NORM"])
+    assert rel_err(runs[1], runs[0]) < 1e-5
+    assert digit_calls == ([head.shape] if head_digits else [])
 
 
 def test_add_norm_digits_spell_the_normed_row(monkeypatch):
@@ -529,7 +552,7 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
     g = jnp.ones((C,), jnp.float32)
     _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret", digits=True)
     assert kernels.project_digits(w, "interpret", swiglu=True)
-    calls = spy(monkeypatch, "_gate_up_digits_call")
+    calls = spy(monkeypatch, "_digits_call")
     got = kernels.project(row, w, swiglu=True, mode="interpret")
     want = kernels.project(row.x, w, swiglu=True, mode=None)
     assert len(calls) == 1 and got.shape == want.shape == (1, F)
@@ -544,6 +567,17 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
     assert len(calls) == before
     monkeypatch.setattr(kernels, "DIGIT_TILES", (64, 64, 4, 3))  # rows that do not divide F = 96
     assert not kernels.project_digits(w, "interpret", swiglu=True)
+    # An lm_head past KERNEL_MAX_INT8_WEIGHTS takes it too, in float32 as the logits are.
+    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", F * C - 1)
+    monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (16, 64, 4, 3))
+    assert kernels.project_digits(w_o, "interpret") and not kernels.project_digits(w_o, None)
+    assert not kernels.project_digits(w_o, "interpret", biased=True)
+    got = kernels.project(row, w_o, mode="interpret", out_dtype=jnp.float32)
+    assert len(calls) == before + 1 and got.dtype == jnp.float32
+    assert rel_err(got, kernels.project(row.x, w_o, out_dtype=jnp.float32)) < 1e-6
+    assert np.isnan(np.asarray(kernels.project(bad, w_o, mode="interpret"))).all()
+    monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (64, 64, 4, 3))  # rows that do not divide 96
+    assert not kernels.project_digits(w_o, "interpret")
 
 
 @pytest.mark.parametrize("dtype, C, M, rows", [(jnp.float32, 80, 5, 1), (jnp.float32, 64, 5, 1),
