@@ -199,7 +199,13 @@ class SplitHeads:
 # digits itself in each program (the row's largest magnitude from a first pass over it, then
 # each chunk's digits in registers before its product; gpu_check passing) lost too: 3.1959 ms
 # a step against 2.5654 in chunks of 256, 2.8499 in 512, 2.633 and 2.646 in 1024 (a chunk of
-# the row loaded one step ahead) against 2.565-2.574, 2.7212 in 16 rows of 2048; not kept.
+# the row loaded one step ahead) against 2.565-2.574, 2.7212 in 16 rows of 2048; not kept. Nor
+# did down from digits that a one-program kernel made of gate/up's output, through this kernel
+# (gpu_check passing): 2.9167 and 2.9012 ms a step against 2.5474 and 2.5575 in 32 rows of 256
+# channels, 3 stages; 16 rows 2.9013, 64 rows 2.978, chunks of 512 2.6816, of 1024 2.613; with
+# more stages (so more bytes in flight) 2.5901 (256 channels, 8 stages), 2.594 (12), 2.5651 and
+# 2.5673 (512, 5 and 7 stages), 2.5695 (1024, 4), against 2.5482 on the same machine. So its
+# chains' 18.4-18.6 us did not carry over, as qkv's did not.
 # JAXLLM_INT8_DIGITS=0 turns it off, JAXLLM_INT8_HEAD_DIGITS=0 for the lm_head only;
 # JAXLLM_INT8_DIGIT_TILES and JAXLLM_INT8_HEAD_DIGIT_TILES ("rows,chunk,warps,stages": rows of
 # each of gate and up, or of the lm_head, a program; channels a loop step) override the tiles
