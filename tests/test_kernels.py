@@ -500,9 +500,9 @@ def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits
     monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", math.prod(head.shape) - 1)
     monkeypatch.setattr(kernels, "INT8_HEAD_DIGITS", head_digits)
     monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide it
+    quantized = lambda a: isinstance(a, QuantizedWeight)
     assert all(math.prod(w.shape) < math.prod(head.shape)
-               for w in jax.tree.leaves(params.layers[0], is_leaf=lambda a: isinstance(a, QuantizedWeight))
-               if isinstance(w, QuantizedWeight))
+               for w in jax.tree.leaves(params.layers[0], is_leaf=quantized) if quantized(w))
     digit_calls = spy(monkeypatch, "_digits_call", lambda row, w: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), 4,
                            ["DECODE_PROJECT", "ADD_NORM"])
@@ -541,7 +541,8 @@ def test_add_norm_digits_spell_the_normed_row(monkeypatch):
 def test_gate_up_from_digits_equals_xla(monkeypatch):
     """The tensor-core kernel from a `DigitRow` (several chunks and programs) against XLA's
     SwiGLU of the normed row: within a float32 rounding before silu (its int32 sums are exact,
-    XLA rounds its own); NaN where the row had an inf. Other matrices ignore the digits."""
+    XLA rounds its own); NaN where the row had an inf. Other matrices ignore the digits, but an
+    lm_head past KERNEL_MAX_INT8_WEIGHTS, which takes them without SwiGLU."""
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
     monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 64, 4, 3))
     jax.clear_caches()
