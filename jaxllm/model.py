@@ -106,7 +106,8 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
 
 def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
     """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, normed_BTD, new
-    cache): normed_BTD is x_BTD through the final norm where a kernel made it, else None.
+    cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
+    `kernels.DigitRow` for an int8 lm_head that takes them), else None.
 
     `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
     `fresh`: the caller guarantees the cache is empty (cursor 0), so the tokens attend only among
@@ -172,7 +173,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
         next_takes = proj is not None and kernels.project_folds_norm(next_w, proj, biased=next_bias)
-        next_digits = proj is not None and B * T == 1 and kernels.project_digits(
+        # Digits for what comes next (the lm_head's) in a decode step of one row; a one-token
+        # prefill (fresh) keeps a plain normed row, which it reorders with x.
+        next_digits = proj is not None and not fresh and B * T == 1 and kernels.project_digits(
             next_w, proj, biased=next_bias)
         # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
         # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
@@ -205,12 +208,14 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
            fuse, rope_scale, axis, fused_static, next_takes: bool, next_digits: bool = False,
            weights_first: bool = False):
     """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
-    through `next_norm` where `kernels.add_norm` made it, else None.
+    through `next_norm` where `kernels.add_norm` made it (a `kernels.DigitRow` with `next_digits`),
+    else None.
 
     Jitted and inlined: layers of one shape trace once, and their equations are copied into the
     step (a step traced each of its 32 layers, about a second of a warm-cache first call for the
     8B shape). `next_takes`: whatever comes next (the next qkv or the lm_head) takes `project`'s
-    kernel and folds `next_norm` in itself (`kernels.project_folds_norm`). Each of the
+    kernel and folds `next_norm` in itself (`kernels.project_folds_norm`); `next_digits`: it
+    takes the normed row as a `kernels.DigitRow` (`kernels.project_digits`). Each of the
     projections' kernels asks L2 for the matrix read next (`kernels.prefetched`), the down
     projection's for `next_w` (that one, or None). `weights_first`: the projections' kernels
     load their weights before their input (`kernels.weights_first`). The rest is as `_hidden`

@@ -488,12 +488,12 @@ def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, d
         assert rows.count(1) == 2 * 2  # after o and after down in each (the last for the lm_head)
 
 
-@pytest.mark.parametrize("head_digits", [True, False])
-def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits):
+@pytest.mark.parametrize("head_digits, prompt", [(True, 4), (True, 1), (False, 4)])
+def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits, prompt):
     """An int8 lm_head past KERNEL_MAX_INT8_WEIGHTS (XLA's otherwise; here the tiny model's) takes
     the tensor-core kernel from the final add_norm's digits, once a step; the layers' matrices
     (within the limit here) do not. Logits as XLA's either way; JAXLLM_INT8_HEAD_DIGITS=0 keeps
-    XLA's product."""
+    XLA's product. A one-token prompt's prefill (a fresh step of one row) keeps it too."""
     params = quantize_params(tiny("llama").params)
     head = params.embed if params.lm_head is None else params.lm_head
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
@@ -504,7 +504,7 @@ def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits
     assert all(math.prod(w.shape) < math.prod(head.shape)
                for w in jax.tree.leaves(params.layers[0], is_leaf=quantized) if quantized(w))
     digit_calls = spy(monkeypatch, "_digits_call", lambda row, w: w.shape)
-    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), 4,
+    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), prompt,
                            ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     assert digit_calls == ([head.shape] if head_digits else [])
