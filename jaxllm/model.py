@@ -173,9 +173,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
         next_takes = proj is not None and kernels.project_folds_norm(next_w, proj, biased=next_bias)
-        # Digits for what comes next (the lm_head's) in a decode step of one row; a one-token
-        # prefill (fresh) keeps a plain normed row, which it reorders with x.
-        next_digits = proj is not None and not fresh and B * T == 1 and kernels.project_digits(
+        # Digits for what comes next (the lm_head's) in a decode step (proj: of one row); a
+        # one-token prefill (fresh) keeps a plain normed row, which it reorders with x.
+        next_digits = proj is not None and not fresh and kernels.project_digits(
             next_w, proj, biased=next_bias)
         # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
         # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
