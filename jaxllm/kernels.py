@@ -11,7 +11,8 @@ H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 agai
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`);
 their norms go through `add_norm` instead (`INT8_NORM_APART`), which also writes the normed row
-as int8 digits for the tensor-core kernel of a large int8 gate/up or lm_head (`INT8_DIGITS`).
+as int8 digits for the tensor-core kernel of a large int8 gate/up or lm_head (`INT8_DIGITS`);
+gate/up's kernel writes its output's digits so for the down projection (`INT8_DOWN_DIGITS`).
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
@@ -205,7 +206,8 @@ class SplitHeads:
 # channels, 3 stages; 16 rows 2.9013, 64 rows 2.978, chunks of 512 2.6816, of 1024 2.613; with
 # more stages (so more bytes in flight) 2.5901 (256 channels, 8 stages), 2.594 (12), 2.5651 and
 # 2.5673 (512, 5 and 7 stages), 2.5695 (1024, 4), against 2.5482 on the same machine. So its
-# chains' 18.4-18.6 us did not carry over, as qkv's did not.
+# chains' 18.4-18.6 us did not carry over, as qkv's did not, until gate/up's kernel wrote the
+# digits itself (INT8_DOWN_DIGITS, below).
 # JAXLLM_INT8_DIGITS=0 turns it off, JAXLLM_INT8_HEAD_DIGITS=0 for the lm_head only;
 # JAXLLM_INT8_DIGIT_TILES and JAXLLM_INT8_HEAD_DIGIT_TILES ("rows,chunk,warps,stages": rows of
 # each of gate and up, or of the lm_head, a program; channels a loop step) override the tiles
@@ -213,6 +215,25 @@ class SplitHeads:
 INT8_DIGITS = os.environ.get("JAXLLM_INT8_DIGITS", "1") != "0"
 INT8_HEAD_DIGITS = os.environ.get("JAXLLM_INT8_HEAD_DIGITS", "1") != "0"
 DIGITS = 4
+# The down projection takes the same kernel, from digits that gate/up's kernel writes of its
+# output (INT8_DOWN_DIGITS): no pass of its own, where making them from the output's largest
+# value lost every way (above). The unit is set by a bound on the output that every program
+# knows at once instead: `down_bounds` (127^2 and the largest gate and up scales, once a step
+# for all layers) times the squared sum of magnitudes of the normed row, which `add_norm` adds
+# up. The bound is loose (every weight at 127, every product adding up), so the digits are
+# five (40 bits, the unit at most 2^-36 of the bound): a value is off by less than the unit,
+# and values far above it are exact. On an H200 (bench, the 8B shape in int8, batch 1,
+# --repeat 2, one run): 2.4881, 2.4883 and 2.4944 ms a step (401.9, 401.9 and 400.9 tok/s)
+# against 2.5591 and 2.5650 without (390.8 and 389.9); in another run 2.4903 against 2.5643
+# and 2.5542. Tiles (rows of down a program, channels a loop step, warps, stages): 32,512,4,7
+# as above, 6 stages 2.4886, 8 stages 2.5021, 5 stages 2.6483 and 2.6547 (why so much slower, I
+# did not find), 32,1024,4,4 2.5041, 32,1024,4,5 2.5251, 16,512,4,7 2.598, 8 warps 2.6078,
+# 32,256,4,8 2.6859. JAXLLM_INT8_DOWN_DIGITS=0 keeps down in `project`'s kernel;
+# JAXLLM_INT8_DOWN_DIGIT_TILES sets its tiles.
+INT8_DOWN_DIGITS = os.environ.get("JAXLLM_INT8_DOWN_DIGITS", "1") != "0"
+DOWN_DIGITS = 5
+DOWN_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
+    "JAXLLM_INT8_DOWN_DIGIT_TILES", "32,512,4,7").split(","))
 DIGIT_ROWS = 16  # a tensor-core product's fewest rows: the digits, then rows never read
 DIGIT_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_INT8_DIGIT_TILES", "64,256,4,3").split(","))
 HEAD_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
@@ -221,12 +242,15 @@ HEAD_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
 
 @struct.dataclass
 class DigitRow:
-    """One normed row x [1, C] in the model dtype ([1, 1, C] in `model`'s hands), with its int8
-    digits [DIGIT_ROWS, C] (rows past DIGITS never read) and float32 factor [1]:
-    x = factor * sum_d digits[d] 256^d."""
+    """One row x [1, C] in the model dtype ([1, 1, C] in `model`'s hands), with its int8 digits
+    [DIGIT_ROWS, C] (rows past `count` never read) and float32 factor [1]:
+    x = factor * sum_d digits[d] 256^d. `add_norm`'s normed rows have DIGITS digits and their
+    sum of magnitudes `l1` [1]; gate/up's output for the down projection has DOWN_DIGITS."""
     x: jax.Array
     digits: jax.Array
     factor: jax.Array
+    l1: jax.Array | None = None
+    count: int = struct.field(pytree_node=False, default=DIGITS)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out"))
@@ -451,7 +475,7 @@ def decode_project_mode(dtype, rows: int) -> str | None:
 
 def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
             swiglu: bool = False, out_dtype=None, mode: str | None = None, prefetch=(),
-            weights_first: bool = False):
+            weights_first: bool = False, down_digits_of=None):
     """[residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or with `swiglu` (w [2, F, C]: gate
     and up) silu(gate) * up: XLA's `layers` arithmetic, in one kernel when `mode` is "gpu" or
     "interpret", x is one row and w has at most KERNEL_MAX_WEIGHTS weights (KERNEL_MAX_INT8_WEIGHTS
@@ -470,11 +494,16 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     sum of squares after the products (SQUARES_LAST), also bit for bit.
     x may be a `DigitRow` (`add_norm`'s, with `digits`): a large int8 SwiGLU gate/up or lm_head
     then takes the tensor-core kernel (`project_digits`, INT8_DIGITS); any other w, the row's x.
+    With `down_digits_of` (the step's `down_bounds` and the layer's index in them) the gate/up
+    kernel returns its output as a `DigitRow` too, for the down projection (`down_digits`),
+    which then takes the same kernel from it.
     """
     if isinstance(x_MC, DigitRow):
-        if norm_C is None and bias_N is None and residual_MN is None and project_digits(
-                w_NC, mode, swiglu):
-            return _digits_call(x_MC, w_NC, swiglu=swiglu,
+        plain = norm_C is None and bias_N is None and residual_MN is None
+        kind = "down" if x_MC.count == DOWN_DIGITS else "gate_up" if swiglu else "head"
+        if plain and (project_digits(w_NC, mode, swiglu) if kind != "down" else
+                      down_digits(w_NC, mode)):
+            return _digits_call(x_MC, w_NC, *(down_digits_of or ()), kind=kind,
                                 out_dtype=jnp.dtype(out_dtype or x_MC.x.dtype),
                                 interpret=mode == "interpret")
         x_MC = x_MC.x
@@ -562,23 +591,51 @@ def project_digits(w_NC, mode: str | None, swiglu: bool = False, biased: bool = 
         N = math.prod(w_NC.shape[:-1])
         if not (INT8_HEAD_DIGITS and N * w_NC.shape[-1] > KERNEL_MAX_INT8_WEIGHTS):
             return False
-    rows, chunk, _, _ = _digit_tiles(swiglu)
-    C = w_NC.shape[-1]
+    return _digit_tiles_divide(w_NC, "gate_up" if swiglu else "head")
+
+
+def _digit_tiles_divide(w_NC, kind: str) -> bool:
+    rows, chunk, _, _ = _digit_tiles(kind)
+    N, C = (w_NC.shape[1] if kind == "gate_up" else math.prod(w_NC.shape[:-1])), w_NC.shape[-1]
     return N % rows == 0 and C % chunk == 0 and C * 128 * 127 < 2**31
 
 
-def _digit_tiles(swiglu: bool):
-    """(rows, chunk, warps, stages) of `_digits_call`: gate/up's, or the lm_head's."""
-    return DIGIT_TILES if swiglu else HEAD_DIGIT_TILES
+def down_digits(w_NC, mode: str | None) -> bool:
+    """Whether a down projection w [D, F] should take gate/up's output as a `DigitRow` (gate/up's
+    kernel writing it, INT8_DOWN_DIGITS) into the tensor-core kernel: a large int8 matrix (past
+    KERNEL_MAX_WEIGHTS) that `project`'s kernel would take, the tiles dividing it. The layer
+    also needs its gate/up from digits (`project_digits`) and no residual in down's product."""
+    return (INT8_DIGITS and INT8_DOWN_DIGITS and mode is not None and _int8_tiled(w_NC)
+            and w_NC.ndim == 2 and project_takes(w_NC, mode) and _digit_tiles_divide(w_NC, "down"))
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu", "out_dtype", "interpret"))
-def _digits_call(row: DigitRow, w, *, swiglu, out_dtype, interpret):
-    """`project(row, w)` of a `DigitRow` against a quantized w [N, C], or with `swiglu` against
-    SwiGLU's gate/up [2, F, C]: one program per `rows` output channels (of each of gate and up),
-    its weights streamed in chunks."""
+def down_bounds(gate_ups) -> jax.Array:
+    """[L] float32 from the int8 gate/up matrices [2, F, C] of L layers: 127^2 times the largest
+    gate scale times the largest up scale. Times the squared sum of magnitudes of the normed row
+    x (`DigitRow.l1`), it bounds |silu(gate) * up| (|q| <= 127 and |silu(g)| <= |g|), which sets
+    the unit of the digits that gate/up's kernel writes for down."""
+    if len({w.scale.shape for w in gate_ups}) == 1:  # one reduction for all of them
+        largest = jnp.max(jnp.stack([w.scale for w in gate_ups]), axis=-1)
+    else:
+        largest = jnp.stack([jnp.max(w.scale, axis=-1) for w in gate_ups])
+    largest = largest.astype(jnp.float32)
+    return largest[:, 0] * largest[:, 1] * 127.0**2
+
+
+def _digit_tiles(kind: str):
+    """(rows, chunk, warps, stages) of `_digits_call`: gate/up's, the lm_head's or down's."""
+    return {"gate_up": DIGIT_TILES, "head": HEAD_DIGIT_TILES, "down": DOWN_DIGIT_TILES}[kind]
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "interpret"))
+def _digits_call(row: DigitRow, w, bounds=None, index=None, *, kind, out_dtype, interpret):
+    """`project(row, w)` of a `DigitRow` against a quantized w [N, C], or for `kind` "gate_up"
+    against SwiGLU's gate/up [2, F, C]: one program per `rows` output channels (of each of gate
+    and up), its weights streamed in chunks. With `bounds` (`down_bounds`) and the layer's
+    `index` in them, gate/up's output comes back as a `DigitRow` of DOWN_DIGITS digits too."""
+    swiglu = kind == "gate_up"
     q, scale = w.q, w.scale.astype(jnp.float32)
-    rows, chunk, warps, stages = _digit_tiles(swiglu)  # dividing N and C (`project_digits`)
+    rows, chunk, warps, stages = _digit_tiles(kind)  # dividing N and C (`project_digits`)
     N, C = q.shape[-2:]
     if swiglu:
         w_specs = [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
@@ -588,30 +645,45 @@ def _digits_call(row: DigitRow, w, *, swiglu, out_dtype, interpret):
         w_specs = [pl.BlockSpec((rows, C), lambda j: (j, 0))]
         s_specs = [pl.BlockSpec((rows,), lambda j: (j,))]
         args = [q, scale]
-    kernel = functools.partial(_digits_kernel, chunk=chunk, swiglu=swiglu,
-                               trigger=_pdl_trigger(interpret))
-    return pl.pallas_call(
+    whole = lambda n: pl.BlockSpec((n,), lambda j: (0,))
+    out_specs = pl.BlockSpec((1, rows), lambda j: (0, j))
+    out_shape = jax.ShapeDtypeStruct((1, N), out_dtype)
+    digits_out = bounds is not None
+    if digits_out:  # the row's sum of magnitudes, the bounds, the layer's index; digits out
+        s_specs += [whole(1), whole(bounds.shape[0]), whole(1)]
+        args += [row.l1, bounds, jnp.reshape(index, (1,)).astype(jnp.int32)]
+        out_specs = [out_specs, pl.BlockSpec((DIGIT_ROWS, rows), lambda j: (0, j)), whole(1)]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((DIGIT_ROWS, N), jnp.int8),
+                     jax.ShapeDtypeStruct((1,), jnp.float32)]
+    kernel = functools.partial(_digits_kernel, chunk=chunk, swiglu=swiglu, count=row.count,
+                               digits_out=digits_out, trigger=_pdl_trigger(interpret))
+    out = pl.pallas_call(
         kernel, grid=(N // rows,),
-        in_specs=[pl.BlockSpec((DIGIT_ROWS, C), lambda j: (0, 0)), pl.BlockSpec((1,), lambda j: (0,))]
-        + w_specs + s_specs,
-        out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((1, N), out_dtype),
+        in_specs=[pl.BlockSpec((DIGIT_ROWS, C), lambda j: (0, 0)), whole(1)] + w_specs + s_specs,
+        out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name="decode_gate_up_digits" if swiglu else "decode_head_digits")(
-            row.digits, row.factor, *args)
+        interpret=interpret, name=f"decode_{kind}_digits")(row.digits, row.factor, *args)
+    return DigitRow(*out, count=DOWN_DIGITS) if digits_out else out
 
 
-def _digits_kernel(digits_ref, factor_ref, *refs, chunk, swiglu, trigger=False):
-    """One program: its rows' int8 products with the digits, chunk by chunk (a loop Triton
-    pipelines), as int32 sums [DIGIT_ROWS, rows] (for gate and for up); each row's
-    sum_d 256^d sums[d] * factor * scale; with `swiglu` silu(gate) * up as `layers.mlp` rounds it."""
+def _digits_kernel(digits_ref, factor_ref, *refs, chunk, swiglu, count=DIGITS, digits_out=False,
+                   trigger=False):
+    """One program: its rows' int8 products with the `count` digits, chunk by chunk (a loop
+    Triton pipelines), as int32 sums [DIGIT_ROWS, rows] (for gate and for up); each row's
+    sum_d 256^d sums[d] * factor * scale; with `swiglu` silu(gate) * up as `layers.mlp` rounds it.
+    With `digits_out` (SwiGLU's) also that output's DOWN_DIGITS digits, in the unit that the
+    bound on it sets (`_store_down_digits`), and the unit as their factor."""
     f32, i32 = jnp.float32, jnp.int32
     n = 2 if swiglu else 1
-    w_refs, s_refs, (o_ref,) = refs[:n], refs[n:2 * n], refs[2 * n:]
+    w_refs, s_refs, refs = refs[:n], refs[n:2 * n], refs[2 * n:]
+    if digits_out:
+        l1_ref, bounds_ref, index_ref, o_ref, out_digits_ref, out_factor_ref = refs
+    else:
+        (o_ref,) = refs
     rows = w_refs[0].shape[0]
     program = _launch_dependents(pl.program_id(0)) if trigger else 0
     d = jnp.arange(DIGIT_ROWS)
-    real = jnp.broadcast_to((d < DIGITS)[:, None], (DIGIT_ROWS, chunk))
+    real = jnp.broadcast_to((d < count)[:, None], (DIGIT_ROWS, chunk))
 
     def step(k, sums):
         at = pl.multiple_of(k * chunk, chunk)
@@ -622,14 +694,42 @@ def _digits_kernel(digits_ref, factor_ref, *refs, chunk, swiglu, trigger=False):
 
     sums = jax.lax.fori_loop(0, digits_ref.shape[1] // chunk, step,
                              (jnp.zeros((DIGIT_ROWS, rows), i32),) * n)
-    place = jnp.where(d < DIGITS, jnp.left_shift(1, 8 * jnp.minimum(d, DIGITS - 1)), 0)
-    place = place.astype(f32)[:, None]  # 256^d, exact in float32
+    place = jnp.where(d < count, _power_of_2(8 * jnp.minimum(d, count - 1)), 0.0)[:, None]
     ys = [jnp.sum(acc.astype(f32) * place, axis=0) * factor_ref[0] * s_ref[...]
           for acc, s_ref in zip(sums, s_refs)]
     y = (_swiglu(*ys, o_ref.dtype) if swiglu else ys[0]).astype(o_ref.dtype)
     if trigger:  # the signal's result used, so that the compiler keeps it
         y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
     o_ref[0, :] = y
+    if digits_out:
+        bound = bounds_ref[index_ref[0]] * l1_ref[0] * l1_ref[0]
+        _store_down_digits(y.astype(f32), bound, out_digits_ref, out_factor_ref)
+
+
+def _power_of_2(n):
+    """2^n in float32 for integer n in [-126, 127], exactly (the exponent field)."""
+    return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def _store_down_digits(v, bound, digits_ref, factor_ref):
+    """A program's values v (float32 [rows]), |v| <= bound, as DOWN_DIGITS digits [DIGIT_ROWS,
+    rows] (the block's) of the unit 2^u, u = e + 1 - 38 for bound < 2^e (one more for the
+    roundings that made v, at most 2% above the bound): X = v / 2^u, |X| < 2^38, is
+    T 2^24 + R (T = trunc(X 2^-24), R exact in float32 and truncated toward zero below the
+    unit), and sum_d t_d 256^d spells it with t_0..t_2 the bytes of R + 0x808080 less 128 and
+    t_3, t_4 those of the rest, T plus R's carry. The factor 2^u (the same in every program),
+    NaN where the bound is not finite (then v may be too), so that the products are NaN."""
+    i32 = jnp.int32
+    biased = (jax.lax.bitcast_convert_type(bound, i32) >> 23) & 255  # bound < 2^(biased - 126)
+    u = jnp.clip(biased - 126 + 1 - 38, -126, 91)
+    X = v * _power_of_2(-u)
+    T = (X * 2.0**-24).astype(i32)  # |T| < 2^14
+    Y = (X - T.astype(jnp.float32) * 2.0**24).astype(i32) + 0x808080
+    Z = T + (Y >> 24) + 0x80
+    ts = [((Y >> (8 * d)) & 255) - 128 for d in range(3)] + [(Z & 255) - 128, Z >> 8]
+    for d, t in enumerate(ts):
+        plt.store(digits_ref.at[pl.ds(d, 1), pl.ds(0, v.shape[0])], t.astype(jnp.int8)[None, :])
+    factor_ref[...] = jnp.where(biased < 255, _power_of_2(u), jnp.nan).reshape(1)
 
 
 def _heads_values(heads: SplitHeads) -> int:
@@ -1029,10 +1129,11 @@ def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret, digits=False):
     normed_dtype = jnp.result_type(norm_C.dtype, x_MC.dtype)
     out_specs = [block, block]
     out_shape = [jax.ShapeDtypeStruct((M, C), x_MC.dtype), jax.ShapeDtypeStruct((M, C), normed_dtype)]
-    if digits:  # one row (M = 1): its digits and their factor
-        out_specs += [pl.BlockSpec((DIGIT_ROWS, C), lambda i: (0, 0)), pl.BlockSpec((1,), lambda i: (0,))]
-        out_shape += [jax.ShapeDtypeStruct((DIGIT_ROWS, C), jnp.int8),
-                      jax.ShapeDtypeStruct((1,), jnp.float32)]
+    if digits:  # one row (M = 1): its digits, their factor, its sum of magnitudes
+        out_specs += [pl.BlockSpec((DIGIT_ROWS, C), lambda i: (0, 0))] + \
+            [pl.BlockSpec((1,), lambda i: (0,))] * 2
+        out_shape += [jax.ShapeDtypeStruct((DIGIT_ROWS, C), jnp.int8)] + \
+            [jax.ShapeDtypeStruct((1,), jnp.float32)] * 2
     return pl.pallas_call(
         functools.partial(_add_norm_kernel, C=C, P=P, eps=eps, trigger=trigger), grid=(M // rows,),
         in_specs=[block, block, pl.BlockSpec((C,), lambda i: (0,))], out_specs=out_specs,
@@ -1045,7 +1146,8 @@ def _add_norm_call(x_MC, delta_MC, norm_C, *, eps, interpret, digits=False):
 def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *digit_refs, C, P, eps,
                      trigger=False):
     """A few rows: the sum rounded to x's dtype (as XLA's add), then `layers.rms_norm` of it;
-    with `digit_refs` (digits, factor) also the one row's `DigitRow` digits."""
+    with `digit_refs` (digits, factor, l1) also the one row's `DigitRow` digits and its sum of
+    magnitudes."""
     f32 = jnp.float32
     cols = (jnp.arange(P) < C)[None, :]
     if trigger:  # the signal's result used, so that the compiler keeps it
@@ -1061,7 +1163,9 @@ def _add_norm_kernel(x_ref, d_ref, g_ref, sum_ref, normed_ref, *digit_refs, C, P
     normed = (g[None, :] * normed.astype(f32)).astype(normed_ref.dtype)
     plt.store(normed_ref.at[at], normed, mask=cols)
     if digit_refs:
+        *digit_refs, l1_ref = digit_refs
         _store_digits(normed[0].astype(f32), cols[0], *digit_refs)
+        l1_ref[...] = jnp.sum(jnp.abs(normed.astype(f32))).reshape(1)
 
 
 def _store_digits(v, cols, digits_ref, factor_ref):

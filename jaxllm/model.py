@@ -159,6 +159,13 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
+    # Bounds on the gate/up outputs of the layers whose down may take them as digits
+    # (`kernels.down_digits`), and each such layer's index in them.
+    down_at = [i for i, layer in enumerate(params.layers) if fuse and proj and not cfg.is_moe(i)
+               and kernels.project_digits(layer.w_gate_up, proj, swiglu=True)
+               and kernels.down_digits(layer.w_down, proj)]
+    down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in down_at]) \
+        if down_at else None
     new_kv = []
     head_VD = params.embed if params.lm_head is None else params.lm_head
     for i, layer in enumerate(params.layers):
@@ -185,8 +192,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         with jax.named_scope(f"layer_{i}"):
             x_BTD, normed_BTD, kv = _block(
                 layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
-                unroll_BT, fused_args, next_norm, ahead_w, cfg=cfg, window=window, moe=cfg.is_moe(i),
-                proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
+                unroll_BT, fused_args, next_norm, ahead_w,
+                (down_bounds, jnp.int32(down_at.index(i))) if i in down_at else None, cfg=cfg,
+                window=window, moe=cfg.is_moe(i), proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
                 fused_static=fused_static, next_takes=next_takes, next_digits=next_digits,
                 weights_first=first)
         new_kv.append(kv)
@@ -204,7 +212,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes",
     "next_digits", "weights_first"))
 def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
-           unroll_BT, fused_args, next_norm, next_w, *, cfg: ModelConfig, window, moe: bool, proj,
+           unroll_BT, fused_args, next_norm, next_w, down_bounds, *, cfg: ModelConfig, window,
+           moe: bool, proj,
            fuse, rope_scale, axis, fused_static, next_takes: bool, next_digits: bool = False,
            weights_first: bool = False):
     """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
@@ -218,8 +227,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     takes the normed row as a `kernels.DigitRow` (`kernels.project_digits`). Each of the
     projections' kernels asks L2 for the matrix read next (`kernels.prefetched`), the down
     projection's for `next_w` (that one, or None). `weights_first`: the projections' kernels
-    load their weights before their input (`kernels.weights_first`). The rest is as `_hidden`
-    computes it.
+    load their weights before their input (`kernels.weights_first`). `down_bounds`: (the step's
+    `kernels.down_bounds`, this layer's index in them) where gate/up may hand down its output
+    as digits, else None. The rest is as `_hidden` computes it.
     """
     eps = cfg.rms_norm_eps
     fused = None if fused_args is None else (*fused_args, *fused_static)
@@ -244,9 +254,12 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     with jax.named_scope("moe" if moe else "mlp"):
         folds = ffn_kernel and next_takes
         if ffn_kernel:
+            # gate/up's output as digits for down's tensor-core kernel (no residual to add there)
+            down_digits = None if folds or not isinstance(normed_BTD, kernels.DigitRow) or \
+                not kernels.down_digits(layer.w_down, proj) else down_bounds
             act_BTF = _normed_project(proj, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
                                       eps, swiglu=True, prefetch=(layer.w_down,),
-                                      weights_first=weights_first)
+                                      weights_first=weights_first, down_digits_of=down_digits)
             out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
                                prefetch=(next_w,), weights_first=weights_first)
         else:
@@ -303,6 +316,8 @@ def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
     w = w if swiglu else w.reshape(-1, C)
     residual_MN = None if residual is None else residual.reshape(B * T, -1)
     y_MN = kernels.project(x_MC, w, residual_MN=residual_MN, mode=mode, **kw)
+    if isinstance(y_MN, kernels.DigitRow):  # gate/up's output for down, with its digits
+        return y_MN.replace(x=y_MN.x.reshape(B, T, *outs))
     return y_MN.reshape(B, T, *outs)
 
 

@@ -12,7 +12,8 @@
   through it against XLA's masked form at real model widths;
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
   int8 weights; the o projection from uncombined attention splits; an int8 gate/up and a large
-  int8 lm_head from `add_norm`'s int8 digits, on tensor cores) against float32 XLA at
+  int8 lm_head from `add_norm`'s int8 digits, and down from gate/up's, on tensor cores) against
+  float32 XLA at
   Qwen3-0.6B and SmolLM2 widths, int8 at the 8B shape's, and batch-1 decode through it (splits
   combined in the o projection);
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
@@ -198,6 +199,18 @@ def decode_project():
             taken = kernels.project_digits(head, "gpu") or not kernels.INT8_HEAD_DIGITS
             check(f"decode project D={D} int8 lm_head, float32, from add_norm's digits"
                   f"{'' if taken else ' (NOT TAKEN)'}", rel(got, want) if taken else 1.0, 2e-2)
+            # down from the digits that gate/up's kernel writes of its output (INT8_DOWN_DIGITS)
+            w_down_int8 = quantize(w_down)
+            bounds = kernels.down_bounds([w_int8])
+            act = kernels.project(row, w_int8, swiglu=True, mode="gpu", down_digits_of=(bounds, 0))
+            taken = isinstance(act, kernels.DigitRow) and kernels.down_digits(w_down_int8, "gpu")
+            got = kernels.project(act, w_down_int8, mode="gpu")
+            plain = kernels.project(row, w_int8, swiglu=True, mode="gpu")
+            same = taken and np.array_equal(np.asarray(act.x), np.asarray(plain))
+            want = kernels.project(upcast(act.x if taken else plain),
+                                   w_down_int8.replace(dtype=f32))
+            check(f"decode project D={D} int8 down from gate/up's digits (gate/up's output the same"
+                  f" bits){'' if taken else ' (NOT TAKEN)'}", rel(got, want) if same else 1.0, 2e-2)
 
     for K, G, H, D in [(8, 2, 128, 1024), (3, 3, 64, 576)]:  # o from uncombined attention splits
         keys = jax.random.split(jax.random.key(K * H), 5)

@@ -456,29 +456,37 @@ def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
-@pytest.mark.parametrize("apart, digits", [(True, True), (True, False), (False, True)])
-def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, digits):
+@pytest.mark.parametrize("apart, digits, down", [(True, True, True), (True, True, False),
+                                                 (True, False, True), (False, True, True)])
+def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, digits, down):
     """Before an int8 matrix past KERNEL_MAX_WEIGHTS (the 8B shape's qkv and gate/up; here every
     matrix) a decode step's norm goes through add_norm's kernel, which writes the normed row once,
     rather than into each of project's programs (INT8_NORM_APART); with INT8_DIGITS, before
-    gate/up also as digits, for the tensor-core kernel. Logits as XLA's every way."""
+    gate/up also as digits, for the tensor-core kernel, and gate/up's output as digits for down
+    (INT8_DOWN_DIGITS). Logits as XLA's every way."""
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
     monkeypatch.setattr(kernels, "INT8_NORM_APART", apart)
     monkeypatch.setattr(kernels, "INT8_DIGITS", digits)
+    monkeypatch.setattr(kernels, "INT8_DOWN_DIGITS", down)
     monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide the tiny model
+    monkeypatch.setattr(kernels, "DOWN_DIGIT_TILES", (16, 32, 4, 3))
     params = quantize_params(tiny("llama").params)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     folded = spy(monkeypatch, "_project_kernel_call", lambda x, w, norm_C, *a: norm_C is not None)
-    digit_calls = spy(monkeypatch, "_digits_call", lambda row, w: w.shape)
+    digit_calls = spy(monkeypatch, "_digits_call", lambda row, w, *a: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4,
                            ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     # Each kind of block the step traces: qkv, o, gate/up, down; then the lm_head. Two kinds
     # where norms are apart: the first layer's (x from the embedding, its qkv folding the norm)
     # and the rest.
-    if apart and digits:  # gate/up from digits
+    layer = params.layers[0]
+    if apart and digits and down:  # gate/up from digits, and down from gate/up's
+        assert folded == [True, False] + [False, False] + [False]
+        assert digit_calls == [layer.w_gate_up.shape, layer.w_down.shape] * 2
+    elif apart and digits:  # gate/up from digits
         assert folded == [True, False, False] + [False, False, False] + [False]
-        assert digit_calls == [params.layers[0].w_gate_up.shape] * 2
+        assert digit_calls == [layer.w_gate_up.shape] * 2
     elif apart:
         assert folded == [True, False, False, False] + [False] * 4 + [False] and not digit_calls
     else:  # one kind: every qkv and gate/up, and the lm_head, fold their norms
@@ -503,7 +511,7 @@ def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits
     quantized = lambda a: isinstance(a, QuantizedWeight)
     assert all(math.prod(w.shape) < math.prod(head.shape)
                for w in jax.tree.leaves(params.layers[0], is_leaf=quantized) if quantized(w))
-    digit_calls = spy(monkeypatch, "_digits_call", lambda row, w: w.shape)
+    digit_calls = spy(monkeypatch, "_digits_call", lambda row, w, *a: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), prompt,
                            ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
@@ -579,6 +587,54 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
     assert np.isnan(np.asarray(kernels.project(bad, w_o, mode="interpret"))).all()
     monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (64, 64, 4, 3))  # rows that do not divide 96
     assert not kernels.project_digits(w_o, "interpret")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
+    """gate/up's kernel writes its output also as five digits in the unit that `down_bounds`
+    times the row's squared sum of magnitudes sets (the bound holds); they spell the output to
+    2^-24 of its largest value, its values far above the unit exactly; down's tensor-core kernel
+    from them is XLA's product of that output within a float32 rounding. A row with an inf: NaN."""
+    C, F, D = 64, 96, 48
+    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))
+    monkeypatch.setattr(kernels, "DOWN_DIGIT_TILES", (16, 32, 4, 3))
+    key = jax.random.key(13)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape)
+    w_gate_up, w_down = quantize(r(0, (2, F, C)), dtype=dtype), quantize(r(1, (D, F)), dtype=dtype)
+    x = (r(2, (1, C)) * 3).at[0, 5].set(-60.0).astype(dtype)
+    g = (1 + r(3, (C,)) / 4).astype(dtype)
+    _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret", digits=True)
+    np.testing.assert_allclose(float(row.l1[0]), np.abs(np.asarray(row.x, np.float64)).sum(),
+                               rtol=1e-6)
+    assert kernels.project_digits(w_gate_up, "interpret", swiglu=True)
+    assert kernels.down_digits(w_down, "interpret") and not kernels.down_digits(w_down, None)
+    bounds = kernels.down_bounds([w_gate_up, w_gate_up])
+    act = kernels.project(row, w_gate_up, swiglu=True, mode="interpret", down_digits_of=(bounds, 1))
+    plain = kernels.project(row, w_gate_up, swiglu=True, mode="interpret")
+    assert isinstance(act, kernels.DigitRow) and act.count == kernels.DOWN_DIGITS == 5
+    np.testing.assert_array_equal(np.asarray(act.x), np.asarray(plain))
+    values = np.asarray(act.x, np.float64)[0]
+    bound = float(bounds[1]) * float(row.l1[0]) ** 2
+    assert np.abs(values).max() <= bound
+    d = np.asarray(act.digits[:5], np.float64)
+    assert np.abs(d[:4]).max() <= 128 and np.abs(d[4]).max() <= 65
+    spelled = np.sum(d * 256.0 ** np.arange(5)[:, None], axis=0) * float(act.factor[0])
+    largest = np.abs(values).max()
+    assert np.abs(spelled - values).max() <= largest * 2 ** -24
+    big = np.abs(values) > float(act.factor[0]) * 2 ** 24
+    assert big.any()
+    np.testing.assert_array_equal(spelled[big], values[big])
+    calls = spy(monkeypatch, "_digits_call", lambda row, w, *a: w.shape)
+    got = kernels.project(act, w_down, mode="interpret")
+    assert calls == [w_down.shape] and got.dtype == dtype
+    assert rel_err(got, kernels.project(act.x, w_down)) < (1e-6 if dtype == jnp.float32 else 1e-2)
+    _, bad = kernels.add_norm(x.at[0, 2].set(jnp.inf), jnp.zeros_like(x), g, 1e-5,
+                              mode="interpret", digits=True)
+    act = kernels.project(bad, w_gate_up, swiglu=True, mode="interpret", down_digits_of=(bounds, 0))
+    assert np.isnan(np.asarray(kernels.project(act, w_down, mode="interpret"))).all()
+    monkeypatch.setattr(kernels, "INT8_DOWN_DIGITS", False)
+    assert not kernels.down_digits(w_down, "interpret")
 
 
 @pytest.mark.parametrize("dtype, C, M, rows", [(jnp.float32, 80, 5, 1), (jnp.float32, 64, 5, 1),
