@@ -225,7 +225,7 @@ DIGITS = 4
 # and values far above it are exact. On an H200 (bench, the 8B shape in int8, batch 1,
 # --repeat 2, one run): 2.4881, 2.4883 and 2.4944 ms a step (401.9, 401.9 and 400.9 tok/s)
 # against 2.5591 and 2.5650 without (390.8 and 389.9); in another run 2.4903 against 2.5643
-# and 2.5542. Tiles (rows of down a program, channels a loop step, warps, stages): 32,512,4,7
+# and 2.5542; as landed, on a slower machine, 2.4901 and 2.4912 against 2.5482. Tiles (rows of down a program, channels a loop step, warps, stages): 32,512,4,7
 # as above, 6 stages 2.4886, 8 stages 2.5021, 5 stages 2.6483 and 2.6547 (why so much slower, I
 # did not find), 32,1024,4,4 2.5041, 32,1024,4,5 2.5251, 16,512,4,7 2.598, 8 warps 2.6078,
 # 32,256,4,8 2.6859. JAXLLM_INT8_DOWN_DIGITS=0 keeps down in `project`'s kernel;
