@@ -193,9 +193,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
             x_BTD, normed_BTD, kv = _block(
                 layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
                 unroll_BT, fused_args, next_norm, ahead_w,
-                (down_bounds, jnp.int32(down_at.index(i))) if i in down_at else None, cfg=cfg,
-                window=window, moe=cfg.is_moe(i), proj=proj, fuse=fuse, rope_scale=rope_scale, axis=axis,
-                fused_static=fused_static, next_takes=next_takes, next_digits=next_digits,
+                (down_bounds, jnp.int32(down_at.index(i))) if i in down_at else None,
+                cfg=cfg, window=window, moe=cfg.is_moe(i), proj=proj, fuse=fuse,
+                rope_scale=rope_scale, axis=axis, fused_static=fused_static, next_takes=next_takes, next_digits=next_digits,
                 weights_first=first)
         new_kv.append(kv)
     if fresh:
@@ -213,9 +213,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     "next_digits", "weights_first"))
 def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
            unroll_BT, fused_args, next_norm, next_w, down_bounds, *, cfg: ModelConfig, window,
-           moe: bool, proj,
-           fuse, rope_scale, axis, fused_static, next_takes: bool, next_digits: bool = False,
-           weights_first: bool = False):
+           moe: bool, proj, fuse, rope_scale, axis, fused_static, next_takes: bool,
+           next_digits: bool = False, weights_first: bool = False):
     """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
     through `next_norm` where `kernels.add_norm` made it (a `kernels.DigitRow` with `next_digits`),
     else None.

@@ -12,10 +12,9 @@
   through it against XLA's masked form at real model widths;
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
   int8 weights; the o projection from uncombined attention splits; an int8 gate/up and a large
-  int8 lm_head from `add_norm`'s int8 digits, and down from gate/up's, on tensor cores) against
-  float32 XLA at
-  Qwen3-0.6B and SmolLM2 widths, int8 at the 8B shape's, and batch-1 decode through it (splits
-  combined in the o projection);
+  int8 lm_head from `add_norm`'s int8 digits, and down from gate/up's, on tensor cores)
+  against float32 XLA at Qwen3-0.6B and SmolLM2 widths, int8 at the 8B shape's, and batch-1
+  decode through it (splits combined in the o projection);
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
   through it (then decode steps reading its cache) against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
