@@ -1180,12 +1180,11 @@ def _store_digits(v, cols, digits_ref, factor_ref):
     m = jnp.max(jnp.abs(v))
     biased = (jax.lax.bitcast_convert_type(m, i32) >> 23) & 255  # m's exponent field
     e = jnp.clip(biased - 126, -96, 128)  # frexp's; zero and tiny rows take -96
-    power = lambda n: jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)  # 2^n, |n| < 127
-    X = (v * power(30 - e)).astype(i32)
+    X = (v * _power_of_2(30 - e)).astype(i32)
     Y = X + 0x808080
     for d in range(DIGITS):
         t = (Y >> 24) if d == DIGITS - 1 else ((Y >> (8 * d)) & 255) - 128
         plt.store(digits_ref.at[pl.ds(d, 1), pl.ds(0, v.shape[0])], t.astype(jnp.int8)[None, :],
                   mask=cols[None, :])
     finite = jnp.sum(v * 0.0) == 0  # no inf or NaN in the row
-    factor_ref[...] = jnp.where(finite, power(e - 30), jnp.nan).reshape(1)
+    factor_ref[...] = jnp.where(finite, _power_of_2(e - 30), jnp.nan).reshape(1)

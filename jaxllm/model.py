@@ -159,27 +159,29 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
-    # Bounds on the gate/up outputs of the layers whose down may take them as digits
-    # (`kernels.down_digits`), and each such layer's index in them.
+    head_VD = params.embed if params.lm_head is None else params.lm_head
+    # What the residual stream feeds after each layer: the next layer's qkv, or after the last
+    # layer the lm_head (in a decode step; a prefill's final norm takes its last position only):
+    # (its norm, its matrix, whether biased), and whether that matrix's kernel folds the norm in.
+    nexts = [(nxt.attn_norm, nxt.wqkv, nxt.bqkv is not None) for nxt in params.layers[1:]]
+    nexts.append((params.final_norm if T == 1 else None, head_VD, False))
+    next_takes = [proj is not None and kernels.project_folds_norm(w, proj, biased=biased)
+                  for _, w, biased in nexts]
+    # Bounds on the gate/up outputs of the layers whose down takes them as digits
+    # (`kernels.down_digits`; not where down adds the residual, the next norm folded), and each
+    # such layer's index in them.
     down_at = [i for i, layer in enumerate(params.layers) if fuse and proj and not cfg.is_moe(i)
+               and not next_takes[i]
                and kernels.project_digits(layer.w_gate_up, proj, swiglu=True)
                and kernels.down_digits(layer.w_down, proj)]
     down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in down_at]) \
         if down_at else None
     new_kv = []
-    head_VD = params.embed if params.lm_head is None else params.lm_head
     for i, layer in enumerate(params.layers):
-        # What the residual stream feeds next: the next layer's qkv, or after the last layer the
-        # lm_head (in a decode step; a prefill's final norm takes its last position only).
-        if i + 1 < len(params.layers):
-            nxt = params.layers[i + 1]
-            next_norm, next_w, next_bias = nxt.attn_norm, nxt.wqkv, nxt.bqkv is not None
-        else:
-            next_norm, next_w, next_bias = params.final_norm if T == 1 else None, head_VD, False
+        next_norm, next_w, next_bias = nexts[i]
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
-        next_takes = proj is not None and kernels.project_folds_norm(next_w, proj, biased=next_bias)
         # Digits for what comes next (the lm_head's) in a decode step (proj: of one row); a
         # one-token prefill (fresh) keeps a plain normed row, which it reorders with x.
         next_digits = proj is not None and not fresh and kernels.project_digits(
@@ -195,8 +197,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
                 unroll_BT, fused_args, next_norm, ahead_w,
                 (down_bounds, jnp.int32(down_at.index(i))) if i in down_at else None,
                 cfg=cfg, window=window, moe=cfg.is_moe(i), proj=proj, fuse=fuse,
-                rope_scale=rope_scale, axis=axis, fused_static=fused_static, next_takes=next_takes, next_digits=next_digits,
-                weights_first=first)
+                rope_scale=rope_scale, axis=axis, fused_static=fused_static,
+                next_takes=next_takes[i], next_digits=next_digits, weights_first=first)
         new_kv.append(kv)
     if fresh:
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
@@ -227,8 +229,8 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     projections' kernels asks L2 for the matrix read next (`kernels.prefetched`), the down
     projection's for `next_w` (that one, or None). `weights_first`: the projections' kernels
     load their weights before their input (`kernels.weights_first`). `down_bounds`: (the step's
-    `kernels.down_bounds`, this layer's index in them) where gate/up may hand down its output
-    as digits, else None. The rest is as `_hidden` computes it.
+    `kernels.down_bounds`, this layer's index in them) where gate/up hands down its output as
+    digits (`_hidden` decides), else None. The rest is as `_hidden` computes it.
     """
     eps = cfg.rms_norm_eps
     fused = None if fused_args is None else (*fused_args, *fused_static)
@@ -253,12 +255,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
     with jax.named_scope("moe" if moe else "mlp"):
         folds = ffn_kernel and next_takes
         if ffn_kernel:
-            # gate/up's output as digits for down's tensor-core kernel (no residual to add there)
-            down_digits = None if folds or not isinstance(normed_BTD, kernels.DigitRow) or \
-                not kernels.down_digits(layer.w_down, proj) else down_bounds
             act_BTF = _normed_project(proj, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
                                       eps, swiglu=True, prefetch=(layer.w_down,),
-                                      weights_first=weights_first, down_digits_of=down_digits)
+                                      weights_first=weights_first, down_digits_of=down_bounds)
             out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
                                prefetch=(next_w,), weights_first=weights_first)
         else:
