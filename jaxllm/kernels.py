@@ -228,8 +228,14 @@ DIGITS = 4
 # and 2.5542; as landed, on a slower machine, 2.4901 and 2.4912 against 2.5482. Tiles (rows of down a program, channels a loop step, warps, stages): 32,512,4,7
 # as above, 6 stages 2.4886, 8 stages 2.5021, 5 stages 2.6483 and 2.6547 (why so much slower, I
 # did not find), 32,1024,4,4 2.5041, 32,1024,4,5 2.5251, 16,512,4,7 2.598, 8 warps 2.6078,
-# 32,256,4,8 2.6859. JAXLLM_INT8_DOWN_DIGITS=0 keeps down in `project`'s kernel;
-# JAXLLM_INT8_DOWN_DIGIT_TILES sets its tiles.
+# 32,256,4,8 2.6859. Only where down's programs (its rows over the tile's) are at least 3/4 of
+# the multiprocessors: Llama-3.2-1B's down (2048 rows, 64 programs; only its last layer's, the
+# others adding the residual for a next qkv that folds its norm) took 0.6346 ms a step against
+# 0.6214 without (same run), where the 8B shape's (128 programs) took 2.4718 and 2.4748 against
+# 2.5538 and 2.5443; 3/4 is a line drawn between those two, no count between them measured.
+# With the rule (`source` bab3aa4239c3, same run): Llama-3.2-1B 0.6284 and 0.6229 against
+# 0.6273, the 8B shape 2.4914 and 2.4884 against 2.5534. JAXLLM_INT8_DOWN_DIGITS=0 keeps down in
+# `project`'s kernel; JAXLLM_INT8_DOWN_DIGIT_TILES sets its tiles.
 INT8_DOWN_DIGITS = os.environ.get("JAXLLM_INT8_DOWN_DIGITS", "1") != "0"
 DOWN_DIGITS = 5
 DOWN_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
@@ -603,10 +609,12 @@ def _digit_tiles_divide(w_NC, kind: str) -> bool:
 def down_digits(w_NC, mode: str | None) -> bool:
     """Whether a down projection w [D, F] should take gate/up's output as a `DigitRow` (gate/up's
     kernel writing it, INT8_DOWN_DIGITS) into the tensor-core kernel: a large int8 matrix (past
-    KERNEL_MAX_WEIGHTS) that `project`'s kernel would take, the tiles dividing it. The layer
-    also needs its gate/up from digits (`project_digits`) and no residual in down's product."""
+    KERNEL_MAX_WEIGHTS) that `project`'s kernel would take, the tiles dividing it into programs
+    at least 3/4 of the multiprocessors. The layer also needs its gate/up from digits
+    (`project_digits`) and no residual in down's product."""
     return (INT8_DIGITS and INT8_DOWN_DIGITS and mode is not None and _int8_tiled(w_NC)
-            and w_NC.ndim == 2 and project_takes(w_NC, mode) and _digit_tiles_divide(w_NC, "down"))
+            and w_NC.ndim == 2 and project_takes(w_NC, mode) and _digit_tiles_divide(w_NC, "down")
+            and 4 * (w_NC.shape[0] // DOWN_DIGIT_TILES[0]) >= 3 * _multiprocessors())
 
 
 def down_bounds(gate_ups) -> jax.Array:

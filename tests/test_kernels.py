@@ -470,6 +470,7 @@ def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, d
     monkeypatch.setattr(kernels, "INT8_DOWN_DIGITS", down)
     monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide the tiny model
     monkeypatch.setattr(kernels, "DOWN_DIGIT_TILES", (16, 32, 4, 3))
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 4)  # down's 64 rows: 4 programs
     params = quantize_params(tiny("llama").params)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     folded = spy(monkeypatch, "_project_kernel_call", lambda x, w, norm_C, *a: norm_C is not None)
@@ -599,6 +600,7 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
     monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
     monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))
     monkeypatch.setattr(kernels, "DOWN_DIGIT_TILES", (16, 32, 4, 3))
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 4)  # down's 48 rows: 3 programs
     key = jax.random.key(13)
     r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape)
     w_gate_up, w_down = quantize(r(0, (2, F, C)), dtype=dtype), quantize(r(1, (D, F)), dtype=dtype)
@@ -633,6 +635,9 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
                               mode="interpret", digits=True)
     act = kernels.project(bad, w_gate_up, swiglu=True, mode="interpret", down_digits_of=(bounds, 0))
     assert np.isnan(np.asarray(kernels.project(act, w_down, mode="interpret"))).all()
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 5)  # 3 programs: too few for 5
+    assert not kernels.down_digits(w_down, "interpret")
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 4)
     monkeypatch.setattr(kernels, "INT8_DOWN_DIGITS", False)
     assert not kernels.down_digits(w_down, "interpret")
 
