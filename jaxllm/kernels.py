@@ -17,7 +17,8 @@ On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
 (`WEIGHTS_FIRST`); in a float matrix's kernel the norm's sum of squares waits until after the
-products (`SQUARES_LAST`).
+products (`SQUARES_LAST`). A decode step of 32 rows takes `rows_project`, tensor-core products
+with their bias, residual or SwiGLU, where XLA ran those as fusions of their own.
 """
 
 import functools
@@ -888,6 +889,142 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
     if trigger:  # the signal's result used, so that the compiler keeps it
         y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
     o_ref[0, :] = y
+
+
+# Decode steps of several rows (ROWS_MIN to ROWS_MAX). XLA ran each of the 8B shape's layers at
+# batch 32 as its four GEMMs, the attention kernel and its splits' combine, and five small
+# fusions (two residual adds, two norms, SwiGLU's multiply), 1.8-2.5 us each (H200 trace).
+# `rows_project` runs each matrix as a tensor-core kernel that adds the bias and the residual to
+# its output tile and takes SwiGLU's gate and up as two operands of one program; the norms stay
+# XLA's, one fusion each. In chains of 8B-shaped matrices at 32 rows (H200, us a matrix, the
+# kernel against XLA's GEMM with its fusions): qkv 17.2 against 17.8-18.5, o with the residual
+# 12.5 against 11.7-11.9, gate/up with SwiGLU 60.4 against 60.5-65.7, down with the residual 32.2
+# against 32.7-34.0. The 8B shape at batch 32 (bench, --repeat 2, same run): 4.7686 and 4.7766
+# ms a step against 4.9029 and 4.9006 (6710 and 6699 tok/s against 6527 and 6530); in another
+# run 4.7602 and 4.7669 against 4.9067 and 4.9063; SmolLM2 0.7862 against 0.8224, Llama-3.2-1B
+# 1.1149 against 1.1393, Qwen3-0.6B 1.3315 against 1.3344. 32 rows is the one count measured
+# to gain: at 8 (rows padded to 16) it lost, 4.55 against 4.31; at 64 gate/up's tiles need
+# more shared memory than a multiprocessor has (245760 bytes of 232448), not tuned since.
+# Measured and dropped: the norm folded into the kernel. Any use of the loaded x but the dot (its
+# squares alone) left Triton's loop waiting on each load (the 8B qkv at 32 rows 51-63 us against
+# 17.2); the norm's input made instead by the kernel that writes the residual (x * g and each
+# program's sums of squares, which the next kernel adds up before its loop) cost more than XLA's
+# norm: qkv 20.8 us against 17.3, down 36.5 against 32.2, and the step 5.108 ms against 4.7602.
+# JAXLLM_ROWS_PROJECT: "auto", "xla" or "interpret", as DECODE_PROJECT;
+# JAXLLM_ROWS_TILES="outputs,chunk,warps,stages" overrides the tiles for benchmarking.
+ROWS_PROJECT = os.environ.get("JAXLLM_ROWS_PROJECT", "auto")
+ROWS_MIN, ROWS_MAX = 32, 32
+ROWS_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_ROWS_TILES", "0,0,4,5").split(","))
+
+
+def rows_project_mode(dtype, rows: int) -> str | None:
+    """"gpu", "interpret" or None (XLA): whether a decode step of `rows` rows (ROWS_MIN to
+    ROWS_MAX) takes `rows_project`'s kernel (float16/bfloat16 models on a GPU, as `_mode`)."""
+    return _mode(ROWS_PROJECT, dtype) if ROWS_MIN <= rows <= ROWS_MAX else None
+
+
+def rows_tiles(width: int, C: int):
+    """(outputs, chunk, warps, stages) of `_rows_call` for `width` outputs and C channels, or None
+    where none divide them. 64 outputs a program where that gives at least 2/3 of the
+    multiprocessors' programs (the 8B shape's qkv, 96; gate/up, 224), else 32 (its o and down,
+    128); chunks of 8192 / outputs channels (16 KB of weights a stage in bf16), halved until they
+    divide C. Measured at 32 rows (us a matrix): qkv 17.2 at 64,128 against 20.3 at 32,256; o
+    12.6 at 32,256 against 17.6 at 64,128; down 32.1 at 32,256 against 53.4 at 64,128 and 44.9 at
+    16,256; gate/up 60.4 at 64,128 against 85.9 at 32,256; 5 stages against 3-8, 8 warps no gain."""
+    outputs, chunk, warps, stages = ROWS_TILES
+    if not outputs:
+        outputs = next((n for n in (64, 32, 16) if width % n == 0 and 3 * (width // n)
+                        >= 2 * _multiprocessors()), 16 if width % 16 == 0 else 0)
+        chunk = 8192 // max(outputs, 1)
+        while chunk > 16 and C % chunk:
+            chunk //= 2
+    if not outputs or width % outputs or C % chunk:
+        return None
+    return outputs, chunk, warps, stages
+
+
+def rows_takes(w_NC, mode: str | None, swiglu: bool = False) -> bool:
+    """Whether `rows_project` runs its kernel for a float w [N, C] (gate/up [2, F, C])."""
+    if mode is None or isinstance(w_NC, QuantizedWeight):
+        return False
+    return rows_tiles(w_NC.shape[1] if swiglu else w_NC.shape[0], w_NC.shape[-1]) is not None
+
+
+def rows_project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
+                 swiglu: bool = False, mode: str | None = None):
+    """`project` for a decode step's rows: [residual +] (rms_norm(x) if norm else x) @ w.T
+    [+ bias], or with `swiglu` silu(gate) * up; the product and its epilogue in one kernel where
+    `rows_takes` and x has at most ROWS_MAX rows, else XLA's form. The norm is always XLA's,
+    before the kernel."""
+    if not (rows_takes(w_NC, mode, swiglu) and x_MC.shape[0] <= ROWS_MAX):
+        return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, x_MC.dtype)
+    if norm_C is not None:
+        x_MC = L.rms_norm(x_MC, norm_C, eps)
+    return _rows_call(x_MC, w_NC, bias_N, residual_MN, swiglu=swiglu,
+                      tiles=rows_tiles(w_NC.shape[1] if swiglu else w_NC.shape[0], w_NC.shape[-1]),
+                      interpret=mode == "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu", "tiles", "interpret"))
+def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, interpret):
+    """The pallas_call of `rows_project`: one program per `outputs` columns of the output, its
+    weights streamed in chunks of C (a loop Triton pipelines)."""
+    outputs, chunk, warps, stages = tiles
+    M, C = x_MC.shape
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    specs, args = [pl.BlockSpec((M, C), lambda j: (0, 0))], [x_MC]
+    if swiglu:
+        specs += [pl.BlockSpec((None, outputs, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
+        args += [w_NC, w_NC]
+    else:
+        specs.append(pl.BlockSpec((outputs, C), lambda j: (j, 0)))
+        args.append(w_NC)
+    columns = pl.BlockSpec((M, outputs), lambda j: (0, j))
+    if bias_N is not None:
+        specs.append(pl.BlockSpec((outputs,), lambda j: (j,)))
+        args.append(bias_N)
+    if residual_MN is not None:
+        specs.append(columns)
+        args.append(residual_MN)
+    kernel = functools.partial(
+        _rows_kernel, M=M, chunk=chunk, swiglu=swiglu, biased=bias_N is not None,
+        residual=residual_MN is not None, trigger=_pdl_trigger(interpret))
+    return pl.pallas_call(
+        kernel, grid=(width // outputs,), in_specs=specs, out_specs=columns,
+        out_shape=jax.ShapeDtypeStruct((M, width), x_MC.dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret, name="decode_rows_project")(*args)
+
+
+def _rows_kernel(x_ref, *refs, M, chunk, swiglu, biased, residual, trigger):
+    """One program of `_rows_call`: its outputs' sums over the chunks of C, each a tensor-core
+    dot of x's rows (padded to P >= 16, the padding masked) with the chunk of weights."""
+    refs = list(refs)
+    take = lambda: refs.pop(0)
+    w_refs = [take() for _ in range(2 if swiglu else 1)]
+    b_ref = take() if biased else None
+    r_ref = take() if residual else None
+    (o_ref,) = refs
+    P, C = max(16, _pow2(M)), x_ref.shape[1]
+    program = _launch_dependents(pl.program_id(0)) if trigger else 0
+    real = (jnp.arange(P) < M)[:, None]
+    rows_of = jnp.broadcast_to(real, (P, chunk))
+
+    def step(k, sums):
+        at = pl.multiple_of(k * chunk, chunk)
+        x = plt.load(x_ref.at[pl.ds(0, P), pl.ds(at, chunk)], mask=rows_of, other=0)
+        return tuple(acc + _dot_t(x, w_ref[:, pl.ds(at, chunk)]) for acc, w_ref in zip(sums, w_refs))
+
+    zeros = jnp.zeros((P, w_refs[0].shape[0]), jnp.float32)
+    sums = jax.lax.fori_loop(0, C // chunk, step, (zeros,) * len(w_refs))
+    y = (_swiglu(*sums, x_ref.dtype) if swiglu else sums[0]).astype(o_ref.dtype)
+    if biased:
+        y = y + b_ref[...].astype(o_ref.dtype)[None, :]
+    if residual:
+        y = plt.load(r_ref.at[pl.ds(0, P), :], mask=real, other=0).astype(o_ref.dtype) + y
+    if trigger:  # the signal's result used, so that the compiler keeps it
+        y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
+    plt.store(o_ref.at[pl.ds(0, P), :], y, mask=real)
 
 
 def _swiglu(gate, up, dtype):

@@ -6,6 +6,7 @@ into a `KVCache` at its shared cursor and return logits for the last position on
 call, for engines that keep their own bookkeeping.
 """
 
+import math
 from functools import partial
 
 import jax
@@ -18,6 +19,7 @@ from jaxllm import sharding
 from jaxllm.cache import KVCache, init_cache
 from jaxllm.config import ModelConfig, rope_frequencies
 from jaxllm.params import Layer, Params
+from jaxllm.quant import QuantizedWeight
 
 
 def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv, cursor,
@@ -155,7 +157,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     # the norm that comes next, made by the same pass. In a prefill always; in a decode step
     # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
     # norm in itself) or a large int8 one (`kernels.project_folds_norm`); at batch 32 XLA's own
-    # fusions were faster (see kernels.ADD_NORM).
+    # fusions were faster (see kernels.ADD_NORM), and a float model's step now takes `_rows_block`.
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
@@ -177,11 +179,20 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in down_at]) \
         if down_at else None
     new_kv = []
+    # A decode step of 32 rows runs `_rows_block`, every matrix through kernels.rows_project.
+    rows = _rows_mode(params, B, T, axis, fresh)
     for i, layer in enumerate(params.layers):
-        next_norm, next_w, next_bias = nexts[i]
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
+        if rows:
+            with jax.named_scope(f"layer_{i}"):
+                x_BTD, kv = _rows_block(layer, x_BTD, kv, cache.cursor, positions_BT, masks[window],
+                                        inv_freq, fused_args, cfg=cfg, window=window, mode=rows,
+                                        rope_scale=rope_scale, fused_static=fused_static)
+            new_kv.append(kv)
+            continue
+        next_norm, next_w, next_bias = nexts[i]
         # Digits for what comes next (the lm_head's) in a decode step (proj: of one row); a
         # one-token prefill (fresh) keeps a plain normed row, which it reorders with x.
         next_digits = proj is not None and not fresh and kernels.project_digits(
@@ -267,6 +278,48 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         # folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
         return (out_BTD, None, kv) if folds else \
             (*_add_norm(fuse, x_BTD, out_BTD, next_norm, eps, digits=next_digits), kv)
+
+
+@partial(jax.jit, inline=True, static_argnames=("cfg", "window", "mode", "rope_scale",
+                                                 "fused_static"))
+def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq, fused_args, *,
+                cfg: ModelConfig, window, mode: str, rope_scale, fused_static):
+    """One decoder block of a decode step of a few rows (`_rows_mode`), its matrices through
+    `kernels.rows_project`, which adds the biases and residuals and makes SwiGLU in their
+    kernels (its norms XLA's): returns (x_BTD, kv)."""
+    eps = cfg.rms_norm_eps
+    B, T, D = x_BTD.shape
+    x_MD = x_BTD.reshape(B * T, D)
+    project = partial(kernels.rows_project, eps=eps, mode=mode)
+    fused = None if fused_args is None else (*fused_args, *fused_static)
+    with jax.named_scope("attention"):
+        bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
+        qkv_MC = project(x_MD, layer.wqkv.reshape(-1, D), norm_C=layer.attn_norm, bias_N=bias)
+        heads_BTC, kv = _attention_block(cfg, layer, qkv_MC.reshape(B, T, *layer.wqkv.shape[:-1]),
+                                         positions_BT, kv, cursor, mask_BTS, inv_freq, rope_scale,
+                                         window, None, fused)
+        x_MD = project(heads_BTC.reshape(B * T, -1), layer.wo.reshape(layer.wo.shape[0], -1),
+                       bias_N=layer.bo, residual_MN=x_MD)
+    with jax.named_scope("mlp"):
+        act_MF = project(x_MD, layer.w_gate_up, norm_C=layer.mlp_norm, swiglu=True)
+        x_MD = project(act_MF, layer.w_down, residual_MN=x_MD)
+    return x_MD.reshape(B, T, D), kv
+
+
+def _rows_mode(params: Params, B: int, T: int, axis=None, fresh: bool = False) -> str | None:
+    """Whether a step's blocks take `_rows_block`: a decode step (not inside shard_map) of
+    kernels.ROWS_MIN to ROWS_MAX rows of a dense float model whose every matrix the kernel's
+    tiles divide (`kernels.rows_tiles`)."""
+    if T != 1 or fresh or axis is not None or params.config.num_experts:
+        return None
+    mode = kernels.rows_project_mode(params.dtype, B)
+
+    def divided(layer):  # (outputs, channels) of qkv, o, gate/up and down
+        qkv, o, gate_up, down = layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down
+        return not isinstance(qkv, QuantizedWeight) and all(kernels.rows_tiles(*shape) for shape in (
+            (math.prod(qkv.shape[:-1]), qkv.shape[-1]), (o.shape[0], math.prod(o.shape[1:])),
+            gate_up.shape[1:], down.shape))
+    return mode if mode and all(divided(layer) for layer in params.layers) else None
 
 
 def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False):

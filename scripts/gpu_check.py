@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Check the GPU-only code paths on a GPU, where CI (CPU) cannot: exit 1 if one is off.
 
-    python scripts/gpu_check.py [SECTION ...]   # decode_project decode_attention add_norm
-                                                # attention fresh_prefill moe sharded
+    python scripts/gpu_check.py [SECTION ...]   # decode_project rows_project decode_attention
+                                                # add_norm attention fresh_prefill generate_loop
+                                                # moe sharded
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
@@ -15,6 +16,9 @@
   int8 lm_head from `add_norm`'s int8 digits, and down from gate/up's, on tensor cores)
   against float32 XLA at Qwen3-0.6B and SmolLM2 widths, int8 at the 8B shape's, and batch-1
   decode through it (splits combined in the o projection);
+- `kernels.rows_project` (a decode step of 32-64 rows: each matrix on tensor cores with its bias,
+  residual or SwiGLU) against float32 XLA at the 8B shape's and Qwen3-0.6B's widths, and decode
+  steps of 32 rows through it against XLA's;
 - `kernels.add_norm` (residual add and RMSNorm in one pass) against float32, and a prefill
   through it (then decode steps reading its cache) against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
@@ -235,6 +239,60 @@ def decode_project():
               rel(outs["auto"][0], outs["xla"][0]), 3e-2)
 
 
+def rows_project():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    upcast = lambda a: a.astype(f32)
+    for D, N, F in [(4096, 6144, 14336), (1024, 4096, 3072)]:
+        keys = jax.random.split(jax.random.key(D), 8)
+        w = jax.random.normal(keys[0], (N, D), bf16) * D ** -0.5
+        wo = jax.random.normal(keys[1], (D, N), bf16) * N ** -0.5
+        w_gate_up = jax.random.normal(keys[2], (2, F, D), bf16) * D ** -0.5
+        w_down = jax.random.normal(keys[3], (D, F), bf16) * F ** -0.5
+        g = 1 + 0.1 * jax.random.normal(keys[4], (D,), bf16)
+        b = jax.random.normal(keys[5], (N,), bf16)
+        for M in (kernels.ROWS_MAX, 5):
+            x = jax.random.normal(keys[6], (M, D), bf16)
+            heads = jax.random.normal(keys[7], (M, N), bf16)
+            act = jax.random.normal(keys[7], (M, F), bf16)
+            cases = [("norm + qkv + bias", x, w, dict(norm_C=g, bias_N=b)),
+                     ("o + residual", heads, wo, dict(residual_MN=x)),
+                     ("norm + gate/up + swiglu", x, w_gate_up, dict(norm_C=g, swiglu=True)),
+                     ("down + residual", act, w_down, dict(residual_MN=x))]
+            for name, a, m, kw in cases:
+                taken = kernels.rows_takes(m, "gpu", kw.get("swiglu", False))
+                got = kernels.rows_project(a, m, mode="gpu", eps=1e-5, **kw)
+                want = kernels.rows_project(
+                    upcast(a), upcast(m), eps=1e-5,
+                    **{k: upcast(v) if isinstance(v, jax.Array) else v for k, v in kw.items()})
+                check(f"rows project {M}x{D} {name}{'' if taken else ' (NOT TAKEN)'}",
+                      rel(got, want) if taken else 1.0, 2e-2)
+    # Decode steps of 32 rows through every kernel, against XLA's: the ragged batch's 3 prompts
+    # over and over.
+    for name in ["qwen3-0.6b", "llama3.2-1b", "llama3-8b"]:
+        cfg, params, tokens, start = _ragged_batch(name, seed=5)
+        tokens, start = jnp.tile(tokens, (11, 1))[:32], jnp.tile(start, 11)[:32]
+        assert model._rows_mode(params, 32, 1) == "gpu", name
+        outs = _decode_both_ways(cfg, params, tokens, start, ["DECODE_ATTENTION", "ROWS_PROJECT"])
+        check(f"{name} 32-row decode via rows_project vs XLA, logits",
+              rel(outs["auto"][0], outs["xla"][0]), 3e-2)
+    # Its kernels let the next one launch early (kernels.PDL_TRIGGER): a kernel that read its input
+    # before the one ahead had written it would change the tokens of a 32-row generate.
+    cfg = PRESETS["smollm2-135m"]
+    params = random_params(cfg, 0, jnp.bfloat16)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (32, 20))
+    assert model._rows_mode(params, 32, 1) == "gpu"
+    tokens = {}
+    for trigger in (True, False):
+        kernels.PDL_TRIGGER = trigger
+        jax.clear_caches()
+        tokens[trigger] = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40,
+                                                     eos_token_ids=[]).tokens)
+    kernels.PDL_TRIGGER = True
+    jax.clear_caches()
+    check("32-row generate with kernels signalling their dependents early, a token differs "
+          "(1 = yes)", float(not (tokens[True] == tokens[False]).all()), 0)
+
+
 def add_norm():
     bf16, f32 = jnp.bfloat16, jnp.float32
     for M, C in [(2048, 4096), (32, 4096), (3, 576), (5, 896)]:  # long, short prompts; odd widths
@@ -366,8 +424,8 @@ if __name__ == "__main__":
         print("gpu_check: no GPU here; these paths run only on one", file=sys.stderr)
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    sections = {f.__name__: f for f in (decode_project, decode_attention, add_norm, attention,
-                                          fresh_prefill, generate_loop, moe, sharded)}
+    sections = {f.__name__: f for f in (decode_project, rows_project, decode_attention, add_norm,
+                                          attention, fresh_prefill, generate_loop, moe, sharded)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))

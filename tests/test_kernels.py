@@ -692,3 +692,75 @@ def test_batch_1_decode_through_add_norm_matches_the_full_forward(monkeypatch, p
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     _decode_matches_forward(tiny(name), rows=1, kernels_on=lambda: _interpreted_within("ADD_NORM"))
     assert rows.count(1) == decode_calls  # the decode step traced (the prefill's rows are 8)
+
+
+def _rows_cases(M):
+    """(name, x, w, keywords) of each form `rows_project` takes in a decode layer of M rows."""
+    key = jax.random.key(M)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    C, N, F = 96, 48, 32  # C in chunks of 32 (three), N in programs of 16 outputs
+    x, g, b, res = r(0, (M, C)), 1 + r(1, (C,)) / 4, r(2, (N,)), r(3, (M, N))
+    w, w_gate_up = r(4, (N, C)) / 8, r(5, (2, F, C)) / 8
+    return [("norm + qkv + bias", x, w, dict(norm_C=g, eps=1e-5, bias_N=b)),
+            ("o + bias + residual", x, w, dict(bias_N=b, residual_MN=res)),
+            ("norm + gate/up + swiglu", x, w_gate_up, dict(norm_C=g, swiglu=True)),
+            ("down + residual", x, w, dict(residual_MN=res))]
+
+
+@pytest.mark.parametrize("M", [3, 16, 32])  # rows padded to 16, masked; and ROWS_MAX
+def test_rows_project_equals_xla(M):
+    for name, x, w, kw in _rows_cases(M):
+        assert kernels.rows_takes(w, "interpret", kw.get("swiglu", False)), name
+        out = kernels.rows_project(x, w, mode="interpret", **kw)
+        ref = kernels.rows_project(x, w, mode=None, **kw)  # XLA's form
+        assert out.shape == ref.shape and out.dtype == ref.dtype, name
+        assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, name
+
+
+def test_rows_project_rules(monkeypatch):
+    assert kernels.ROWS_PROJECT == "auto"
+    assert kernels.rows_project_mode(jnp.bfloat16, 32) is None  # no GPU here
+    monkeypatch.setattr(kernels, "ROWS_PROJECT", "interpret")
+    assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MIN) == "interpret"
+    assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MAX) == "interpret"
+    assert kernels.rows_project_mode(jnp.float32, 1) is None  # one row: `project`'s kernel
+    assert kernels.rows_project_mode(jnp.float32, 8) is None  # XLA's GEMM faster (batch 8)
+    assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MAX + 1) is None
+    # more rows than the tiles fit: XLA's form, whatever the caller's mode
+    calls = spy(monkeypatch, "_rows_call")
+    kernels.rows_project(jnp.ones((kernels.ROWS_MAX + 1, 96)), jnp.ones((64, 96)), mode="interpret")
+    assert not calls
+    w = jnp.ones((64, 96))
+    assert kernels.rows_takes(w, "interpret") and not kernels.rows_takes(w, None)
+    assert not kernels.rows_takes(quantize(w), "interpret")  # int8: XLA's GEMM converts it
+    assert not kernels.rows_takes(jnp.ones((64, 72)), "interpret")  # no chunk of 16 divides 72
+    assert not kernels.rows_takes(jnp.ones((40, 96)), "interpret")  # nor 16 outputs 40
+    # the 8B shape's tiles: 64 outputs where they fill 2/3 of the multiprocessors, else 32
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 132)
+    assert kernels.rows_tiles(6144, 4096)[:2] == (64, 128)  # qkv: 96 programs
+    assert kernels.rows_tiles(4096, 14336)[:2] == (32, 256)  # down: 128 programs
+
+
+@pytest.mark.parametrize("name, attention", [("llama", False), ("qwen2_swa", True),
+                                             ("qwen3", True), ("llama_tied", False)])
+def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention):
+    """A decode step of several rows (two here, ROWS_MIN lowered) runs every matrix through
+    `rows_project`'s kernel, o and down adding the residual; logits as the full forward's."""
+    m = tiny(name)
+    monkeypatch.setattr(kernels, "ROWS_MIN", 2)
+    if attention:  # with the attention kernel too (qwen2_swa: biases and a window)
+        monkeypatch.setattr(kernels, "DECODE_ATTENTION", "interpret")
+    calls = spy(monkeypatch, "_rows_call", lambda x, w, bias, residual: residual is not None)
+    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("ROWS_PROJECT"))
+    # qkv, o, gate/up, down; the layers trace once per attention window (qwen2_swa: two kinds)
+    cfg = m.params.config
+    windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
+    assert calls == [False, True, False, True] * len(windows)
+
+
+def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
+    monkeypatch.setattr(kernels, "ROWS_PROJECT", "interpret")
+    assert jaxllm.model._rows_mode(tiny("llama").params, 32, 1) == "interpret"
+    assert jaxllm.model._rows_mode(tiny("llama").params, 32, 3) is None  # a prefill
+    assert jaxllm.model._rows_mode(tiny("llama").params, 32, 1, fresh=True) is None
+    assert jaxllm.model._rows_mode(quantize_params(tiny("llama").params), 32, 1) is None

@@ -24,6 +24,7 @@ import torch
 import transformers
 
 import jaxllm
+from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm.config import ModelConfig, RopeConfig
 from kernel_modes import decode_per_mode, spy
@@ -398,6 +399,18 @@ def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch):
     runs = decode_per_mode(monkeypatch, params, ids, 4, ["DECODE_PROJECT", "ADD_NORM"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     assert rows.count(1) == 2 * params.config.num_layers  # the decode step traced: 2 a layer
+
+
+def test_decode_of_several_rows_keeps_moe_on_xla(moe_model, monkeypatch):
+    """`rows_project`'s blocks are for dense models: a MoE decode step of several rows runs XLA's
+    forms under the switch, its logits unchanged."""
+    params = moe_model("mixtral").params
+    ids = np.random.default_rng(6).integers(3, params.config.vocab_size, (2, 7)).astype(np.int32)
+    monkeypatch.setattr(kernels, "ROWS_MIN", 2)  # as a dense model's two rows would take them
+    calls = spy(monkeypatch, "_rows_call")
+    runs = decode_per_mode(monkeypatch, params, ids, 4, ["ROWS_PROJECT"])
+    assert not calls
+    np.testing.assert_array_equal(runs[1], runs[0])
 
 
 if __name__ == "__main__":
