@@ -157,7 +157,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     # the norm that comes next, made by the same pass. In a prefill always; in a decode step
     # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
     # norm in itself) or a large int8 one (`kernels.project_folds_norm`); at batch 32 XLA's own
-    # fusions were faster (see kernels.ADD_NORM), and a float model's step now takes `_rows_block`.
+    # fusions were faster (see kernels.ADD_NORM); there a dense float model takes `_rows_block`.
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
@@ -284,9 +284,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
                                                  "fused_static"))
 def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq, fused_args, *,
                 cfg: ModelConfig, window, mode: str, rope_scale, fused_static):
-    """One decoder block of a decode step of a few rows (`_rows_mode`), its matrices through
-    `kernels.rows_project`, which adds the biases and residuals and makes SwiGLU in their
-    kernels (its norms XLA's): returns (x_BTD, kv)."""
+    """One decoder block of a decode step of 32 rows (`_rows_mode`), its matrices through
+    `kernels.rows_project`, whose kernels add the biases and residuals and make SwiGLU (the
+    norms XLA's): returns (x_BTD, kv)."""
     eps = cfg.rms_norm_eps
     B, T, D = x_BTD.shape
     x_MD = x_BTD.reshape(B * T, D)
