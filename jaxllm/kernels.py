@@ -902,9 +902,10 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
 # against 32.7-34.0. The 8B shape at batch 32 (bench, --repeat 2, same run): 4.7686 and 4.7766
 # ms a step against 4.9029 and 4.9006 (6710 and 6699 tok/s against 6527 and 6530); in another
 # run 4.7602 and 4.7669 against 4.9067 and 4.9063; SmolLM2 0.7862 against 0.8224, Llama-3.2-1B
-# 1.1149 against 1.1393, Qwen3-0.6B 1.3315 against 1.3344. 32 rows is the one count measured
-# to gain: at 8 (rows padded to 16) it lost, 4.55 against 4.31; at 64 gate/up's tiles need
-# more shared memory than a multiprocessor has (245760 bytes of 232448), not tuned since.
+# 1.1149 against 1.1393, Qwen3-0.6B 1.3315 against 1.3344; as landed, 4.7297 against 4.8403.
+# 32 rows is the one count measured to gain: at 16 it lost, 4.9625 against 4.4627, at 8 (rows
+# padded to 16) 4.55 against 4.31; at 64 gate/up's tiles need more shared memory than a
+# multiprocessor has (245760 bytes of 232448), not tuned since.
 # Measured and dropped: the norm folded into the kernel. Any use of the loaded x but the dot (its
 # squares alone) left Triton's loop waiting on each load (the 8B qkv at 32 rows 51-63 us against
 # 17.2); the norm's input made instead by the kernel that writes the residual (x * g and each
