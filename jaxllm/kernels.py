@@ -226,10 +226,10 @@ DIGITS = 4
 # and values far above it are exact. On an H200 (bench, the 8B shape in int8, batch 1,
 # --repeat 2, one run): 2.4881, 2.4883 and 2.4944 ms a step (401.9, 401.9 and 400.9 tok/s)
 # against 2.5591 and 2.5650 without (390.8 and 389.9); in another run 2.4903 against 2.5643
-# and 2.5542; as landed, on a slower machine, 2.4901 and 2.4912 against 2.5482. Tiles (rows of down a program, channels a loop step, warps, stages): 32,512,4,7
-# as above, 6 stages 2.4886, 8 stages 2.5021, 5 stages 2.6483 and 2.6547 (why so much slower, I
-# did not find), 32,1024,4,4 2.5041, 32,1024,4,5 2.5251, 16,512,4,7 2.598, 8 warps 2.6078,
-# 32,256,4,8 2.6859. Only where down's programs (its rows over the tile's) are at least 3/4 of
+# and 2.5542; as landed, on a slower machine, 2.4901 and 2.4912 against 2.5482. Tiles (rows of
+# down a program, channels a loop step, warps, stages): 32,512,4,7 as above, 6 stages 2.4886,
+# 8 stages 2.5021, 5 stages 2.6483 and 2.6547 (why so much slower, I did not find),
+# 32,1024,4,4 2.5041, 32,1024,4,5 2.5251, 16,512,4,7 2.598, 8 warps 2.6078, 32,256,4,8 2.6859. Only where down's programs (its rows over the tile's) are at least 3/4 of
 # the multiprocessors: Llama-3.2-1B's down (2048 rows, 64 programs; only its last layer's, the
 # others adding the residual for a next qkv that folds its norm) took 0.6346 ms a step against
 # 0.6214 without (same run), where the 8B shape's (128 programs) took 2.4718 and 2.4748 against
@@ -946,9 +946,14 @@ def rows_tiles(width: int, C: int):
 
 def rows_takes(w_NC, mode: str | None, swiglu: bool = False) -> bool:
     """Whether `rows_project` runs its kernel for a float w [N, C] (gate/up [2, F, C])."""
+    return _rows_tiles_of(w_NC, mode, swiglu) is not None
+
+
+def _rows_tiles_of(w_NC, mode: str | None, swiglu: bool):
+    """`rows_tiles` of w under `mode`, None where the kernel does not take it."""
     if mode is None or isinstance(w_NC, QuantizedWeight):
-        return False
-    return rows_tiles(w_NC.shape[1] if swiglu else w_NC.shape[0], w_NC.shape[-1]) is not None
+        return None
+    return rows_tiles(w_NC.shape[1] if swiglu else w_NC.shape[0], w_NC.shape[-1])
 
 
 def rows_project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
@@ -957,12 +962,12 @@ def rows_project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, res
     [+ bias], or with `swiglu` silu(gate) * up; the product and its epilogue in one kernel where
     `rows_takes` and x has at most ROWS_MAX rows, else XLA's form. The norm is always XLA's,
     before the kernel."""
-    if not (rows_takes(w_NC, mode, swiglu) and x_MC.shape[0] <= ROWS_MAX):
+    tiles = _rows_tiles_of(w_NC, mode, swiglu)
+    if tiles is None or x_MC.shape[0] > ROWS_MAX:
         return _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, x_MC.dtype)
     if norm_C is not None:
         x_MC = L.rms_norm(x_MC, norm_C, eps)
-    return _rows_call(x_MC, w_NC, bias_N, residual_MN, swiglu=swiglu,
-                      tiles=rows_tiles(w_NC.shape[1] if swiglu else w_NC.shape[0], w_NC.shape[-1]),
+    return _rows_call(x_MC, w_NC, bias_N, residual_MN, swiglu=swiglu, tiles=tiles,
                       interpret=mode == "interpret")
 
 

@@ -66,6 +66,21 @@ def _ragged_batch(name: str, seed: int):
     return cfg, random_params(cfg), tokens, jnp.asarray([0, 100, 255], jnp.int32)
 
 
+def _with_switches(switches: dict, run):
+    """run() with the module flags of `kernels` set as `switches` says, jit caches cleared
+    around it, the flags restored after."""
+    saved = {name: getattr(kernels, name) for name in switches}
+    for name, value in switches.items():
+        setattr(kernels, name, value)
+    jax.clear_caches()
+    try:
+        return run()
+    finally:
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+        jax.clear_caches()
+
+
 def _decode_both_ways(cfg, params, tokens, start, switches):
     """A fresh prefill of `tokens`, then 8 decode steps of the same tokens, with the kernels named
     by `switches` (module flags of `kernels`) on ("auto"), then off ("xla"):
@@ -281,16 +296,11 @@ def rows_project():
     params = random_params(cfg, 0, jnp.bfloat16)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (32, 20))
     assert model._rows_mode(params, 32, 1) == "gpu"
-    tokens = {}
-    for trigger in (True, False):
-        kernels.PDL_TRIGGER = trigger
-        jax.clear_caches()
-        tokens[trigger] = np.asarray(jaxllm.generate(params, ids, max_new_tokens=40,
-                                                     eos_token_ids=[]).tokens)
-    kernels.PDL_TRIGGER = True
-    jax.clear_caches()
+    run = lambda: np.asarray(
+        jaxllm.generate(params, ids, max_new_tokens=40, eos_token_ids=[]).tokens)
+    unsignalled = _with_switches({"PDL_TRIGGER": False}, run)
     check("32-row generate with kernels signalling their dependents early, a token differs "
-          "(1 = yes)", float(not (tokens[True] == tokens[False]).all()), 0)
+          "(1 = yes)", float(not (run() == unsignalled).all()), 0)
 
 
 def add_norm():
@@ -358,19 +368,8 @@ def generate_loop():
     unchanged = generated()
 
     def tokens_without(switch: str, off, **more):
-        """generate's tokens with kernels.`switch` set to `off` (and any `more` switches set so),
-        jit caches cleared around."""
-        switches = {switch: off, **more}
-        saved = {name: getattr(kernels, name) for name in switches}
-        for name, value in switches.items():
-            setattr(kernels, name, value)
-        jax.clear_caches()
-        try:
-            return generated()
-        finally:
-            for name, value in saved.items():
-                setattr(kernels, name, value)
-            jax.clear_caches()
+        """generate's tokens with kernels.`switch` set to `off` (and any `more` switches set so)."""
+        return _with_switches({switch: off, **more}, generated)
 
     # Our kernels let the next one launch early (kernels.PDL_TRIGGER); a kernel that then read its
     # input before the one ahead had written it would change the tokens.
