@@ -17,8 +17,9 @@ On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
 (`WEIGHTS_FIRST`); in a float matrix's kernel the norm's sum of squares waits until after the
-products (`SQUARES_LAST`). A decode step of 32 rows takes `rows_project`, tensor-core products
-with their bias, residual or SwiGLU, where XLA ran those as fusions of their own.
+products (`SQUARES_LAST`). A decode step of 8-32 rows (under 32 only for large matrices) takes
+`rows_project`, tensor-core products with their bias, residual or SwiGLU, where XLA ran those as
+fusions of their own.
 """
 
 import functools
@@ -903,9 +904,24 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
 # ms a step against 4.9029 and 4.9006 (6710 and 6699 tok/s against 6527 and 6530); in another
 # run 4.7602 and 4.7669 against 4.9067 and 4.9063; SmolLM2 0.7862 against 0.8224, Llama-3.2-1B
 # 1.1149 against 1.1393, Qwen3-0.6B 1.3315 against 1.3344; as landed, 4.7297 against 4.8403.
-# 32 rows is the one count measured to gain: at 16 it lost, 4.9625 against 4.4627, at 8 (rows
-# padded to 16) 4.55 against 4.31; at 64 gate/up's tiles need more shared memory than a
-# multiprocessor has (245760 bytes of 232448), not tuned since.
+# Fewer rows (8-31; under 16 padded to 16) take it too, but only in models whose every matrix
+# has at least ROWS_LARGE_WEIGHTS weights (the 8B shape's): there, same run, 8 rows 4.2395 ms a
+# step against 4.2724 with XLA's GEMMs, 16 rows 4.3346 against 4.4705, 24 rows 4.5332 against
+# 4.6609 (32 rows, their code unchanged, 4.643 against 4.8089 there); Qwen3-0.6B and
+# Llama-3.2-1B lost at 16 and 24 rows (1.1305 against 1.0976, 1.0847 against 1.0244 at 16).
+# Programs of 16 padded rows give no PDL signal (ROWS_SIGNAL_ROWS): with it the 8B shape lost
+# at 16 rows (4.6888 ms against 4.3909 without it) and 8 rows (4.5612 against 4.2806); at 32
+# the signal gains a little (4.7621, 4.7839, 4.7879 against 4.7976 and 4.7992), at 28 rows
+# 4.6901 against 4.7447, at 24 4.659 against 4.6652. Our reading (not measured): a 16-row
+# program takes less shared memory (the 8B qkv's about 100 KB against 120), so the next
+# kernel's programs, let in early by the signal, share its multiprocessor and wait there.
+# 64 rows stay on XLA: with 4 stages where 5 do not fit, 6.0684 ms against 5.5318.
+# Measured and dropped: the signal after the loop (32 rows 4.8864 ms, 16 rows 4.3994); the dot
+# as w @ x.T (the weights as the tensor core's M side; in chains at 32 rows qkv 18.7 us against
+# 17.4, gate/up 66.1 against 60.0, o and down within 2%); each program asking L2 for its first
+# 32-256 KB of weights and then waiting for the kernel ahead (griddepcontrol.wait) before its
+# loop, 4.968-5.5895 ms against 4.7501-4.7559 (a Pallas kernel's first instruction ran 0.86-0.93
+# us after the kernel ahead had ended, so nothing runs before that wait on this stack).
 # Measured and dropped: the norm folded into the kernel. Any use of the loaded x but the dot (its
 # squares alone) left Triton's loop waiting on each load (the 8B qkv at 32 rows 51-63 us against
 # 17.2); the norm's input made instead by the kernel that writes the residual (x * g and each
@@ -914,13 +930,17 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
 # JAXLLM_ROWS_PROJECT: "auto", "xla" or "interpret", as DECODE_PROJECT;
 # JAXLLM_ROWS_TILES="outputs,chunk,warps,stages" overrides the tiles for benchmarking.
 ROWS_PROJECT = os.environ.get("JAXLLM_ROWS_PROJECT", "auto")
-ROWS_MIN, ROWS_MAX = 32, 32
+ROWS_MIN, ROWS_MAX = 8, 32
+ROWS_SIGNAL_ROWS = 32  # padded rows from which the kernel gives the PDL signal
+ROWS_ANY_SIZE = 32  # rows from which any model's matrices take the kernel
+ROWS_LARGE_WEIGHTS = 16 * 2**20  # below ROWS_ANY_SIZE rows, each matrix's fewest weights
 ROWS_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_ROWS_TILES", "0,0,4,5").split(","))
 
 
 def rows_project_mode(dtype, rows: int) -> str | None:
     """"gpu", "interpret" or None (XLA): whether a decode step of `rows` rows (ROWS_MIN to
-    ROWS_MAX) takes `rows_project`'s kernel (float16/bfloat16 models on a GPU, as `_mode`)."""
+    ROWS_MAX) takes `rows_project`'s kernel (float16/bfloat16 models on a GPU, as `_mode`);
+    below ROWS_ANY_SIZE rows a model's step takes it only for large matrices (`rows_sized`)."""
     return _mode(ROWS_PROJECT, dtype) if ROWS_MIN <= rows <= ROWS_MAX else None
 
 
@@ -942,6 +962,12 @@ def rows_tiles(width: int, C: int):
     if not outputs or width % outputs or C % chunk:
         return None
     return outputs, chunk, warps, stages
+
+
+def rows_sized(rows: int, shapes) -> bool:
+    """Whether matrices of these (outputs, channels) `shapes` take the kernel at `rows` rows:
+    from ROWS_ANY_SIZE rows all do, below it those of at least ROWS_LARGE_WEIGHTS weights each."""
+    return rows >= ROWS_ANY_SIZE or all(math.prod(s) >= ROWS_LARGE_WEIGHTS for s in shapes)
 
 
 def rows_takes(w_NC, mode: str | None, swiglu: bool = False) -> bool:
@@ -977,6 +1003,7 @@ def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, inte
     weights streamed in chunks of C (a loop Triton pipelines)."""
     outputs, chunk, warps, stages = tiles
     M, C = x_MC.shape
+    P = max(16, _pow2(M))
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     specs, args = [pl.BlockSpec((M, C), lambda j: (0, 0))], [x_MC]
     if swiglu:
@@ -994,7 +1021,8 @@ def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, inte
         args.append(residual_MN)
     kernel = functools.partial(
         _rows_kernel, M=M, chunk=chunk, swiglu=swiglu, biased=bias_N is not None,
-        residual=residual_MN is not None, trigger=_pdl_trigger(interpret))
+        residual=residual_MN is not None,
+        trigger=_pdl_trigger(interpret) and P >= ROWS_SIGNAL_ROWS)
     return pl.pallas_call(
         kernel, grid=(width // outputs,), in_specs=specs, out_specs=columns,
         out_shape=jax.ShapeDtypeStruct((M, width), x_MC.dtype),

@@ -179,7 +179,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in down_at]) \
         if down_at else None
     new_kv = []
-    # A decode step of 32 rows runs `_rows_block`, every matrix through kernels.rows_project.
+    # A decode step of 8-32 rows runs `_rows_block`, every matrix through kernels.rows_project.
     rows = _rows_mode(params, B, T, axis, fresh)
     for i, layer in enumerate(params.layers):
         window = cfg.sliding_window if cfg.is_sliding(i) else None
@@ -284,7 +284,7 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
                                                  "fused_static"))
 def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq, fused_args, *,
                 cfg: ModelConfig, window, mode: str, rope_scale, fused_static):
-    """One decoder block of a decode step of 32 rows (`_rows_mode`), its matrices through
+    """One decoder block of a decode step of 8-32 rows (`_rows_mode`), its matrices through
     `kernels.rows_project`, whose kernels add the biases and residuals and make SwiGLU (the
     norms XLA's): returns (x_BTD, kv)."""
     eps = cfg.rms_norm_eps
@@ -309,16 +309,18 @@ def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_fre
 def _rows_mode(params: Params, B: int, T: int, axis=None, fresh: bool = False) -> str | None:
     """Whether a step's blocks take `_rows_block`: a decode step (not inside shard_map) of
     kernels.ROWS_MIN to ROWS_MAX rows of a dense float model whose every matrix the kernel's
-    tiles divide (`kernels.rows_tiles`)."""
+    tiles divide (`kernels.rows_tiles`) and, below kernels.ROWS_ANY_SIZE rows, is large
+    (`kernels.rows_sized`)."""
     if T != 1 or fresh or axis is not None or params.config.num_experts:
         return None
     mode = kernels.rows_project_mode(params.dtype, B)
 
     def divided(layer):  # (outputs, channels) of qkv, o, gate/up and down
         qkv, o, gate_up, down = layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down
-        return not isinstance(qkv, QuantizedWeight) and all(kernels.rows_tiles(*shape) for shape in (
-            (math.prod(qkv.shape[:-1]), qkv.shape[-1]), (o.shape[0], math.prod(o.shape[1:])),
-            gate_up.shape[1:], down.shape))
+        shapes = ((math.prod(qkv.shape[:-1]), qkv.shape[-1]), (o.shape[0], math.prod(o.shape[1:])),
+                  gate_up.shape[1:], down.shape)
+        return (not isinstance(qkv, QuantizedWeight) and kernels.rows_sized(B, shapes)
+                and all(kernels.rows_tiles(*shape) for shape in shapes))
     return mode if mode and all(divided(layer) for layer in params.layers) else None
 
 

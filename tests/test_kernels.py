@@ -724,7 +724,8 @@ def test_rows_project_rules(monkeypatch):
     assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MIN) == "interpret"
     assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MAX) == "interpret"
     assert kernels.rows_project_mode(jnp.float32, 1) is None  # one row: `project`'s kernel
-    assert kernels.rows_project_mode(jnp.float32, 8) is None  # XLA's GEMM faster (batch 8)
+    assert kernels.rows_project_mode(jnp.float32, 7) is None  # below ROWS_MIN: XLA's GEMM
+    assert kernels.rows_project_mode(jnp.float32, 8) == "interpret"  # padded to 16
     assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MAX + 1) is None
     # more rows than the tiles fit: XLA's form, whatever the caller's mode
     calls = spy(monkeypatch, "_rows_call")
@@ -739,6 +740,12 @@ def test_rows_project_rules(monkeypatch):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda: 132)
     assert kernels.rows_tiles(6144, 4096)[:2] == (64, 128)  # qkv: 96 programs
     assert kernels.rows_tiles(4096, 14336)[:2] == (32, 256)  # down: 128 programs
+    # below 32 rows only matrices of the 8B shape's size (smaller models' steps lost there)
+    eight_b = [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)]
+    one_b = [(3072, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
+    assert kernels.rows_sized(16, eight_b) and kernels.rows_sized(8, eight_b)
+    assert not kernels.rows_sized(16, one_b) and not kernels.rows_sized(31, one_b)
+    assert kernels.rows_sized(32, one_b)
 
 
 @pytest.mark.parametrize("name, attention", [("llama", False), ("qwen2_swa", True),
@@ -748,6 +755,7 @@ def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention
     `rows_project`'s kernel, o and down adding the residual; logits as the full forward's."""
     m = tiny(name)
     monkeypatch.setattr(kernels, "ROWS_MIN", 2)
+    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)  # the tiny matrices count as large
     if attention:  # with the attention kernel too (qwen2_swa: biases and a window)
         monkeypatch.setattr(kernels, "DECODE_ATTENTION", "interpret")
     calls = spy(monkeypatch, "_rows_call", lambda x, w, bias, residual: residual is not None)
@@ -764,3 +772,9 @@ def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
     assert jaxllm.model._rows_mode(tiny("llama").params, 32, 3) is None  # a prefill
     assert jaxllm.model._rows_mode(tiny("llama").params, 32, 1, fresh=True) is None
     assert jaxllm.model._rows_mode(quantize_params(tiny("llama").params), 32, 1) is None
+    # 8-31 rows: only models whose every matrix is large
+    assert jaxllm.model._rows_mode(tiny("llama").params, 16, 1) is None
+    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 64 * 64 + 1)  # o has 64 x 64, the rest more
+    assert jaxllm.model._rows_mode(tiny("llama").params, 16, 1) is None
+    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)
+    assert jaxllm.model._rows_mode(tiny("llama").params, 16, 1) == "interpret"

@@ -407,6 +407,7 @@ def test_decode_of_several_rows_keeps_moe_on_xla(moe_model, monkeypatch):
     params = moe_model("mixtral").params
     ids = np.random.default_rng(6).integers(3, params.config.vocab_size, (2, 7)).astype(np.int32)
     monkeypatch.setattr(kernels, "ROWS_MIN", 2)  # as a dense model's two rows would take them
+    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)
     calls = spy(monkeypatch, "_rows_call")
     runs = decode_per_mode(monkeypatch, params, ids, 4, ["ROWS_PROJECT"])
     assert not calls
