@@ -997,13 +997,19 @@ def rows_project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, res
                       interpret=mode == "interpret")
 
 
+def _rows_padded(M: int) -> int:
+    """x's M rows as `_rows_kernel` pads them: a power of two, at least 16 (the tensor core's
+    fewest), the padding masked."""
+    return max(16, _pow2(M))
+
+
 @functools.partial(jax.jit, static_argnames=("swiglu", "tiles", "interpret"))
 def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, interpret):
     """The pallas_call of `rows_project`: one program per `outputs` columns of the output, its
     weights streamed in chunks of C (a loop Triton pipelines)."""
     outputs, chunk, warps, stages = tiles
     M, C = x_MC.shape
-    P = max(16, _pow2(M))
+    P = _rows_padded(M)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     specs, args = [pl.BlockSpec((M, C), lambda j: (0, 0))], [x_MC]
     if swiglu:
@@ -1039,7 +1045,7 @@ def _rows_kernel(x_ref, *refs, M, chunk, swiglu, biased, residual, trigger):
     b_ref = take() if biased else None
     r_ref = take() if residual else None
     (o_ref,) = refs
-    P, C = max(16, _pow2(M)), x_ref.shape[1]
+    P, C = _rows_padded(M), x_ref.shape[1]
     program = _launch_dependents(pl.program_id(0)) if trigger else 0
     real = (jnp.arange(P) < M)[:, None]
     rows_of = jnp.broadcast_to(real, (P, chunk))

@@ -748,6 +748,19 @@ def test_rows_project_rules(monkeypatch):
     assert kernels.rows_sized(32, one_b)
 
 
+def test_rows_kernel_signals_dependents_only_from_32_padded_rows(monkeypatch):
+    """The PDL signal (griddepcontrol.launch_dependents) in the kernel as lowered for a Hopper
+    GPU: at 17-32 rows, not at 16 or fewer (where the 8B shape's steps lost with it)."""
+    monkeypatch.setattr(kernels.L, "gpu_generation", lambda: 9)
+    w = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    for M, signals in [(8, False), (16, False), (17, True), (32, True)]:
+        x = jax.ShapeDtypeStruct((M, 256), jnp.bfloat16)
+        call = jax.jit(lambda x, w: kernels._rows_call(x, w, swiglu=False, tiles=(16, 64, 4, 5),
+                                                       interpret=False))
+        text = call.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("griddepcontrol.launch_dependents" in text) == signals, M
+
+
 @pytest.mark.parametrize("name, attention", [("llama", False), ("qwen2_swa", True),
                                              ("qwen3", True), ("llama_tied", False)])
 def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention):
