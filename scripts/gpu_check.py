@@ -9,8 +9,8 @@
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
   ragged batch at real model widths: logits, the next decode step, the cache it wrote;
 - the Pallas decode-attention kernel against float32 XLA attention (rows of different starts,
-  long caches split over programs, a sliding window, Qwen3's head norms), and decode steps
-  through it against XLA's masked form at real model widths;
+  long caches split over programs, batch 32 in one split, a sliding window, Qwen3's head
+  norms), and decode steps through it against XLA's masked form at real model widths;
 - `kernels.project` (norm, matrix-vector product and epilogue in one Pallas kernel; bf16 and
   int8 weights; the o projection from uncombined attention splits; an int8 gate/up and a large
   int8 lm_head from `add_norm`'s int8 digits, and down from gate/up's, on tensor cores)
@@ -147,7 +147,8 @@ def decode_attention():
                                                 (1, 3, 3, 64, 384, 200, None, False),
                                                 (4, 8, 4, 128, 8448, 8000, None, False),
                                                 (2, 8, 2, 128, 8448, 500, None, True),
-                                                (32, 8, 4, 128, 384, 383, 100, False)]:
+                                                (32, 8, 4, 128, 384, 383, 100, False),
+                                                (32, 8, 4, 128, 2304, 2100, None, False)]:
         keys = jax.random.split(jax.random.key(S + cursor), 5)
         qkv = jax.random.normal(keys[0], (B, K, G + 2, H), jnp.bfloat16)
         caches = [jax.random.normal(k, (B, K, S, H), jnp.bfloat16) for k in keys[1:3]]

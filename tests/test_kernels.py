@@ -46,7 +46,8 @@ def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k
     (1, 2, 1, 16, 2112, 1500, 100, False),  # splits of a cache length not a power of two
     (1, 1, 2, 16, 2048, 1023, None, False),  # the new token is the last slot of a split
 ])
-@pytest.mark.parametrize("multiprocessors", [1, 10**6])  # every grid large (full splits), small
+# Every grid large (full splits, or one split from B*K*H = 192: the first and third cases), small.
+@pytest.mark.parametrize("multiprocessors", [1, 10**6])
 def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S, cursor, window,
                                      qk_norm):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda: multiprocessors)
@@ -66,6 +67,32 @@ def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
     np.testing.assert_allclose(k, ref_k, atol=1e-6)  # the rotated key, written at the cursor only
     np.testing.assert_array_equal(v, ref_v)
+
+
+@pytest.mark.parametrize("B, splits", [(4, 1), (2, 2)])  # B*K*H 256 (the bound), 128
+def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
+    """Where the (row, KV head) programs hold ONE_SPLIT_VALUES head values a multiprocessor, each
+    streams its row's whole cache: the heads come back combined, with no splits to combine after."""
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 1)
+    monkeypatch.setattr(kernels, "ONE_SPLIT_VALUES", 256)
+    K, G, H, S, cursor = 2, 2, 32, 256, 200  # below the bound, splits of SPLIT_SLOTS (128) slots
+    rng = np.random.default_rng(B)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
+    start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
+    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
+    angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
+    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    out, k, _ = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, rotation,
+                                         interpret=True, split_out=True)
+    assert isinstance(out, kernels.SplitHeads) == (splits > 1)
+    if splits > 1:
+        assert out.acc.shape[1] == splits
+        out = out.combined()
+    ref_out, ref_k, _ = _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, None, None, None,
+                                   1e-6)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(k, ref_k, atol=1e-6)
 
 
 def _interpreted(monkeypatch, switch: str):
