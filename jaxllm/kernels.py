@@ -247,7 +247,8 @@ DIGITS = 4
 # down a program, channels a loop step, warps, stages): 32,512,4,7 as above, 6 stages 2.4886,
 # 8 stages 2.5021, 5 stages 2.6483 and 2.6547 (why so much slower, I did not find),
 # 32,1024,4,4 2.5041, 32,1024,4,5 2.5251, 16,512,4,7 2.598, 8 warps 2.6078, 32,256,4,8 2.6859.
-# Only where down's programs (its rows over the tile's) are at least 3/4 of the multiprocessors: Llama-3.2-1B's down (2048 rows, 64 programs; only its last layer's, the
+# Only where down's programs (its rows over the tile's) are at least 3/4 of the
+# multiprocessors: Llama-3.2-1B's down (2048 rows, 64 programs; only its last layer's, the
 # others adding the residual for a next qkv that folds its norm) took 0.6346 ms a step against
 # 0.6214 without (same run), where the 8B shape's (128 programs) took 2.4718 and 2.4748 against
 # 2.5538 and 2.5443; 3/4 is a line drawn between those two, no count between them measured.
