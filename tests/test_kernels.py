@@ -39,6 +39,20 @@ def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k
     return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache, v_cache
 
 
+def _attention_inputs(seed, B, K, G, H, S, cursor, qk_norm=False):
+    """Random float32 (qkv, k cache, v cache, row starts, q_norm, k_norm, inv_freq, rotation) of
+    a decode step at `cursor`; the norms None unless qk_norm."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
+    start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
+    q_norm, k_norm = (normal(H), normal(H)) if qk_norm else (None, None)
+    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
+    angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
+    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    return qkv, k_cache, v_cache, start, q_norm, k_norm, inv_freq, rotation
+
+
 @pytest.mark.parametrize("B, K, G, H, S, cursor, window, qk_norm", [
     (2, 2, 3, 64, 48, 20, None, False),  # one split, ragged starts
     (3, 1, 4, 32, 4096, 3000, None, True),  # many splits, Qwen3's per-head norms
@@ -51,14 +65,8 @@ def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k
 def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S, cursor, window,
                                      qk_norm):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda: multiprocessors)
-    rng = np.random.default_rng(S + cursor)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-    qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
-    start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
-    q_norm, k_norm = (normal(H), normal(H)) if qk_norm else (None, None)
-    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
-    angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
-    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    qkv, k_cache, v_cache, start, q_norm, k_norm, inv_freq, rotation = _attention_inputs(
+        S + cursor, B, K, G, H, S, cursor, qk_norm)
     out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, rotation,
                                          window=window, q_norm_H=q_norm, k_norm_H=k_norm,
                                          eps=1e-6, interpret=True)
@@ -76,13 +84,8 @@ def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda: 1)
     monkeypatch.setattr(kernels, "ONE_SPLIT_VALUES", 256)
     K, G, H, S, cursor = 2, 2, 32, 256, 200  # below the bound, splits of SPLIT_SLOTS (128) slots
-    rng = np.random.default_rng(B)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-    qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
-    start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
-    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
-    angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
-    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    qkv, k_cache, v_cache, start, _, _, inv_freq, rotation = _attention_inputs(
+        B, B, K, G, H, S, cursor)
     out, k, _ = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, rotation,
                                          interpret=True, split_out=True)
     assert isinstance(out, kernels.SplitHeads) == (splits > 1)
