@@ -6,9 +6,9 @@ convert, the weighted sum, a concatenate) took 1-3 us each however small their w
 8B shape's 126 us layer and most of SmolLM2's 28 us one. `decode_attention` does that span in
 one kernel (plus a small combine when the cache is split over programs; grids that fill the
 GPU unsplit take one split, `ONE_SPLIT_VALUES`), and reads only each row's live slots, where
-XLA's masked form reads the whole cache. In a chain of 32 layers on the
-H200: 8.2 us a layer against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 against 9.5
-(SmolLM2), 19.3 against 24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
+XLA's masked form reads the whole cache. In a chain of 32 layers on the H200: 8.2 us a layer
+against XLA's 11.3 (8B shape, batch 1, cache 384), 6.3 against 9.5 (SmolLM2), 19.3 against
+24.6 (8B, batch 32), 12.3 against 23.4 (8B, cache 8448 with 500 live).
 `project` folds a layer's norms and epilogues into its matrix-vector products for the same
 reason, and also takes large int8 matrices, which it converts faster than XLA (`INT8_CONVERT`);
 their norms go through `add_norm` instead (`INT8_NORM_APART`), which also writes the normed row
@@ -67,15 +67,15 @@ MULTIPROCESSORS = 132
 # a multiprocessor takes one split: each program streams its row's whole live cache, and no
 # combine kernel runs after it (1.5 us of an 8B layer's 137 at batch 32, H200 trace). On an H200
 # (bench, prompt 128 + 256 new, --repeat 2, same runs, one split against the splits above; B*K
-# x H against the bound's 192 x 132): the 8B shape at batch 32 (256 x 128) 4.7129, 4.7108 and
-# 4.7063 ms a step against 4.745, 4.7536 and 4.745; at context 2048 6.7057 against 6.9617; at
-# batch 64 5.6493 against 5.7673; Qwen3-0.6B at batch 32 (256 x 128) 1.3098 and 1.3068 against
-# 1.3393 and 1.3357. Below the bound it lost or broke even: Llama-3.2-1B at batch 32 (256 x 64)
-# 1.1245 and 1.1202 against 1.1022 and 1.1026, at context 2048 1.9473 against 1.7119; the 8B
-# shape at batch 24 (192 x 128) 4.6288, 4.6156 and 4.6166 against 4.621, 4.6236 and 4.6253. Our
-# reading: a
-# program's loop keeps two blocks of its head's keys and values in flight, so fewer or narrower
-# heads leave a multiprocessor too few bytes in flight without the splits' extra programs.
+# programs x H values, against the bound's 192 x 132 = 25344): the 8B shape at batch 32 (256 x
+# 128) 4.7129, 4.7108 and 4.7063 ms a step against 4.745, 4.7536 and 4.745; at context 2048
+# 6.7057 against 6.9617; at batch 64 5.6493 against 5.7673; Qwen3-0.6B at batch 32 (256 x 128)
+# 1.3098 and 1.3068 against 1.3393 and 1.3357. Below the bound it lost or broke even:
+# Llama-3.2-1B at batch 32 (256 x 64) 1.1245 and 1.1202 against 1.1022 and 1.1026, at context
+# 2048 1.9473 against 1.7119; the 8B shape at batch 24 (192 x 128) 4.6288, 4.6156 and 4.6166
+# against 4.621, 4.6236 and 4.6253. Our reading: a program's loop keeps two blocks of its head's
+# keys and values in flight, so fewer or narrower heads leave a multiprocessor too few bytes in
+# flight without the splits' extra programs.
 # The tiles above stay (the 8B shape at batch 32, one run: 4.5918 and 4.6014 ms; 128-slot
 # blocks 4.6161, 8 warps 4.6109, 32-slot blocks 4.6687; Qwen3-0.6B 1.311 against 1.3407 in
 # 128-slot blocks).
