@@ -78,7 +78,9 @@ MULTIPROCESSORS = 132
 # flight without the splits' extra programs.
 # The tiles above stay (the 8B shape at batch 32, one run: 4.5918 and 4.6014 ms; 128-slot
 # blocks 4.6161, 8 warps 4.6109, 32-slot blocks 4.6687; Qwen3-0.6B 1.311 against 1.3407 in
-# 128-slot blocks).
+# 128-slot blocks), and so do the two stages: three lost (another run: the 8B shape at batch 32
+# 4.7349 against 4.7016, at context 2048 6.6999 against 6.6716, Qwen3-0.6B 1.3231 against
+# 1.3142; Llama-3.2-1B in one split and three stages 1.1259 against 1.1106 split).
 # JAXLLM_DECODE_ONE_SPLIT overrides the bound for benchmarking (0: always the splits above).
 ONE_SPLIT_VALUES = int(os.environ.get("JAXLLM_DECODE_ONE_SPLIT", 192))
 QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot
