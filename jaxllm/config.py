@@ -109,6 +109,52 @@ class ModelConfig:
                 raise ValueError(f"{path} is not valid JSON: {e}") from None
         return _from_hf_dict(source)
 
+    def to_hf(self) -> dict:
+        """A Hugging Face config.json (as a dict) that `from_hf` reads back as this config and
+        transformers loads as the same model (random checkpoints of a preset's shape). Mixtral's
+        dense `ffn_size`, which no layer uses, is written as its experts' F, as transformers has it."""
+        r = self.rope
+        rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
+        if r.rope_type != "default":
+            rope.update(factor=r.factor,
+                        original_max_position_embeddings=r.original_max_position_embeddings)
+        if r.rope_type == "llama3":
+            rope.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+        if r.rope_type == "yarn":
+            rope.update(attention_factor=r.attention_factor, beta_fast=r.beta_fast,
+                        beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim,
+                        truncate=r.truncate)
+        c = dict(model_type=self.model_type, hidden_act="silu", vocab_size=self.vocab_size,
+                 hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                 num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, intermediate_size=self.ffn_size,
+                 max_position_embeddings=self.max_position_embeddings,
+                 rms_norm_eps=self.rms_norm_eps, rope_theta=r.theta, rope_parameters=rope,
+                 partial_rotary_factor=r.partial_rotary_factor,
+                 tie_word_embeddings=self.tie_word_embeddings, bos_token_id=self.bos_token_id,
+                 eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id)
+        if self.model_type in ("llama", "mistral"):
+            if self.qkv_bias != self.o_bias:
+                raise ValueError(f"{self.model_type} has one attention_bias for q/k/v and o")
+            c["attention_bias"] = self.qkv_bias
+        elif self.qkv_bias != (self.model_type == "qwen2") or self.o_bias:
+            raise ValueError(f"{self.model_type} cannot have qkv_bias={self.qkv_bias}, "
+                             f"o_bias={self.o_bias}")
+        c["sliding_window"] = self.sliding_window  # null, not absent: Mistral's default is 4096
+        if self.sliding_window is not None:
+            c["use_sliding_window"] = True
+            c["layer_types"] = ["sliding_attention" if self.is_sliding(i) else "full_attention"
+                                for i in range(self.num_layers)]
+        if self.model_type == "mixtral":
+            c.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                     intermediate_size=self.moe_ffn_size)
+        elif self.model_type == "qwen3_moe":
+            c.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                     moe_intermediate_size=self.moe_ffn_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=1,
+                     mlp_only_layers=[i for i in range(self.num_layers) if not self.is_moe(i)])
+        return c
+
 
 def _from_hf_dict(c: dict) -> ModelConfig:
     model_type = c.get("model_type")

@@ -1,8 +1,9 @@
 """Hugging Face checkpoint directories: config.json, generation_config.json and safetensors.
 
 Only safetensors are read (no pickle): `.bin`/`.pt` checkpoints are refused with a message.
-Tensors are read through the `safetensors` library, shapes are checked against the config before
-any data is converted, and each parameter is converted once into jaxllm's layout.
+The `safetensors` library opens and checks each file; the tensors' bytes are then read straight
+into numpy arrays (`SafetensorsReader`). Shapes are checked against the config before any data
+is converted, and each parameter is converted once into jaxllm's layout.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import struct
 from pathlib import Path
 from typing import Callable
 
-import jax
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -64,18 +67,30 @@ def safetensor_files(path: Path) -> list[Path]:
     raise ValueError(f"no model.safetensors (or index) in {path}")
 
 
+# safetensors' dtype names as numpy reads them (bfloat16 from ml_dtypes); a tensor of any other
+# dtype is read through the library.
+_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+           "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+           "BOOL": np.bool_}
+READ_PIECE = 1 << 28  # bytes a read asks for: Linux returns at most ~2 GiB from one
+
+
 class SafetensorsReader(contextlib.ExitStack):
-    """All tensors of a (sharded) checkpoint by name: shapes up front, data on demand as numpy."""
+    """All tensors of a (sharded) checkpoint by name: shapes up front, data on demand as numpy.
+
+    The library opens and checks each file (its header, every tensor's extent). The data is then
+    read with plain positional reads into the array (`os.preadv`), where the library's numpy
+    reader copies it out of a memory map page by page: a 2.5 GB checkpoint from the page cache
+    at 5.2-7.1 GB/s against 1.8-1.9 (a 2-core CPU machine). Reads share no file position, so
+    threads may read at once.
+    """
 
     def __init__(self, files: list[Path]):
         super().__init__()
-        self.handles, self.shapes = {}, {}
-        cpu = jax.local_devices(backend="cpu")[0]  # this process's own (multi-host: not global 0)
-        self._cpu = cpu
+        self.handles, self.shapes, self._extents = {}, {}, {}
         for f in files:
             try:
-                # framework="flax" reads bf16 (numpy alone cannot); it is pinned to the host CPU below.
-                handle = self.enter_context(safe_open(str(f), framework="flax"))
+                handle = self.enter_context(safe_open(str(f), framework="numpy"))
                 for name in handle.keys():
                     if name in self.handles:
                         raise ValueError(f"tensor {name} appears in two shards ({f.name})")
@@ -83,14 +98,43 @@ class SafetensorsReader(contextlib.ExitStack):
                     self.shapes[name] = tuple(handle.get_slice(name).get_shape())
             except SafetensorError as e:
                 raise ValueError(f"{f} is not a valid safetensors file: {e}") from None
+            fd = os.open(f, os.O_RDONLY)
+            self.callback(os.close, fd)
+            self._extents.update(_extents(f, fd))
 
     def get(self, name: str) -> np.ndarray:
         f, handle = self.handles[name]
+        extent = self._extents.get(name)
         try:
-            with jax.default_device(self._cpu):
-                return np.asarray(handle.get_tensor(name))
+            if extent is None or extent[1] not in _DTYPES:
+                return handle.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"{f}: tensor {name} could not be read ({e}); the file may be truncated") from None
+        fd, dtype, at, end = extent
+        out = np.empty(self.shapes[name], _DTYPES[dtype])
+        if out.nbytes != end - at:
+            raise ValueError(f"{f}: tensor {name} holds {end - at} bytes, not the {out.nbytes} of "
+                             f"its shape {self.shapes[name]} in {dtype}")
+        view = out.reshape(-1).view(np.uint8)
+        for done in range(0, out.nbytes, READ_PIECE):
+            piece = view[done:done + READ_PIECE]
+            got = os.preadv(fd, [piece], at + done)
+            while got < len(piece):  # a short read: go on from there, or the file ended early
+                more = os.preadv(fd, [piece[got:]], at + done + got)
+                if not more:
+                    raise ValueError(f"{f}: tensor {name} could not be read (the file ends early); "
+                                     "the file may be truncated")
+                got += more
+        return out
+
+
+def _extents(f: Path, fd: int) -> dict[str, tuple[int, str, int, int]]:
+    """name -> (fd, dtype, first byte, end) of each tensor of an open safetensors file, from its
+    header (8 bytes of length, then JSON), which the library has already checked."""
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    header = json.loads(os.pread(fd, length, 8))
+    return {name: (fd, t["dtype"], 8 + length + t["data_offsets"][0], 8 + length + t["data_offsets"][1])
+            for name, t in header.items() if name != "__metadata__"}
 
 
 def read_checkpoint(path: str | Path) -> tuple[ModelConfig, SafetensorsReader]:

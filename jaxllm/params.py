@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -229,18 +231,24 @@ def param_bytes(params: Params) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
+def specs_in_order(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every parameter's spec, in the order `_assemble` makes them (a checkpoint's tensors)."""
+    return ([s for i in range(cfg.num_layers) for s in layer_specs(cfg, i).values()]
+            + list(top_specs(cfg).values()))
+
+
 def from_hf_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray], shapes: dict[str, tuple],
                     dtype=jnp.float32, place: Callable[[str, np.ndarray], Any] | None = None,
-                    progress: Callable[[int], None] | None = None) -> Params:
+                    progress: Callable[[int], None] | None = None, threads: int = 1) -> Params:
     """Convert HF-named tensors into Params, checking the set of names and every shape first.
 
     `get(name)` returns a numpy array; `shapes` maps every tensor the checkpoint holds to its shape; `place`
     (default: jnp.asarray) puts one converted parameter on its device(s). A missing, unexpected
     or misshapen tensor is a ValueError naming it, raised before any conversion work.
+    With `threads` > 1, that many parameters are read, converted and placed at once (`get`,
+    `place` and `progress` then run on those threads), the rest waiting their turn.
     """
-    all_specs = [(f"layers.{i}.{n}", s) for i in range(cfg.num_layers)
-                 for n, s in layer_specs(cfg, i).items()] + list(top_specs(cfg).items())
-    expected = {name: shape for _, s in all_specs for name, shape in s.hf}
+    expected = {name: shape for s in specs_in_order(cfg) for name, shape in s.hf}
     # Checkpoints often carry the rotary inv_freq buffer; it is derived from the config instead.
     present = {n for n in shapes if not n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
@@ -264,4 +272,21 @@ def from_hf_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray], shapes: 
         if progress:
             progress(sum(int(np.prod(shape)) for _, shape in s.hf))
         return out
-    return _assemble(cfg, make)
+    if threads <= 1:
+        return _assemble(cfg, make)
+    slots = threading.BoundedSemaphore(threads)  # parameters in flight, so host memory stays bounded
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxllm-load")
+    failed: list[Future] = []
+
+    def submit(path, s: ParamSpec) -> Future:
+        slots.acquire()
+        if failed:  # stop at the first failure rather than reading the rest
+            slots.release()
+            failed[0].result()
+        future = pool.submit(make, path, s)
+        future.add_done_callback(lambda f: (f.exception() and failed.append(f), slots.release()))
+        return future
+    try:
+        return jax.tree.map(Future.result, _assemble(cfg, submit))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -8,15 +8,18 @@ through the host and the device never holds more than the weights plus one piece
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.params import Params, abstract_params
+from jaxllm.params import Params, abstract_params, specs_in_order
 
 # Llama 3.1 / 3.2 RoPE: the "llama3" frequency scaling of an 8192-token original context.
 _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -31,9 +34,10 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=16, ffn_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), bos_token_id=1, eos_token_ids=(2,)),
     # Test-sized mixture of experts (4 experts, top-2), for the bench's MoE and expert-parallel paths.
+    # ffn_size is the experts' F, as `ModelConfig.from_hf` reads a Mixtral config.json.
     "tiny-moe": ModelConfig(
         model_type="mixtral", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, ffn_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        head_dim=16, ffn_size=96, max_position_embeddings=1024, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), num_experts=4, experts_per_token=2, moe_ffn_size=96,
         norm_topk_prob=True, moe_layers=(True, True), bos_token_id=1, eos_token_ids=(2,)),
     # HuggingFaceTB/SmolLM2-135M-Instruct (the default model's shape).
@@ -152,3 +156,50 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: fl
             buf = _filler()(buf, jax.random.fold_in(leaf_key, piece), jnp.int32(row), scale)
         out.append(buf)
     return jax.tree.unflatten(treedef, out)
+
+
+# The largest safetensors file `write_checkpoint` writes, as transformers' save_pretrained shards.
+SHARD_BYTES = 5 * 10**9
+
+
+def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
+                     dtype=jnp.bfloat16, scale: float = 0.02,
+                     shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Write a Hugging Face checkpoint directory of the config's shapes with random weights:
+    config.json (`ModelConfig.to_hf`) and safetensors files of at most `shard_bytes` each, with
+    their index where there are several, as save_pretrained lays them out. Norm weights are ones,
+    biases zeros, every other tensor normal(0, scale) values: a block of 2^22 drawn once, each
+    tensor a copy of it from a random offset, repeated, rather than every value drawn (an 8B
+    model's take a while). Returns the safetensors files written."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = jnp.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    block = (scale * rng.standard_normal((1 << 22) + (1 << 20), np.float32)).astype(dtype)
+    shards, shard, size = [], {}, 0
+    for spec in specs_in_order(cfg):
+        for name, shape in spec.hf:
+            if spec.init == "normal":
+                start = int(rng.integers(1 << 20))
+                tensor = np.resize(block[start:], shape)
+            else:
+                tensor = np.full(shape, 1 if spec.init == "ones" else 0, dtype)
+            if shard and size + tensor.nbytes > shard_bytes:
+                shards.append(shard)
+                shard, size = {}, 0
+            shard[name] = tensor
+            size += tensor.nbytes
+    shards.append(shard)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, tensors in zip(names, shards):
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
+                 "weight_map": {k: name for name, s in zip(names, shards) for k in s}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = dict(cfg.to_hf(), torch_dtype=dtype.name)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return [path / n for n in names]

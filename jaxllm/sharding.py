@@ -263,9 +263,9 @@ def per_device_bytes(params: Params) -> int:
 
 
 def from_hf_sharded(cfg: ModelConfig, get, shapes, dtype, mesh: Mesh, *, expert_parallel: bool = False,
-                    progress=None) -> Params:
+                    progress=None, threads: int = 1) -> Params:
     """Convert HF-named tensors straight into shards: each parameter is converted on the host
-    (one tensor at a time), and each device receives only its slice, cast to `dtype` per slice."""
+    (`threads` at a time), and each device receives only its slice, cast to `dtype` per slice."""
     layout, tp = plan(cfg, mesh, expert_parallel)
     axes = _axes_by_path(layout)
     np_dtype = jnp.dtype(dtype)
@@ -275,5 +275,6 @@ def from_hf_sharded(cfg: ModelConfig, get, shapes, dtype, mesh: Mesh, *, expert_
         sharding = NamedSharding(mesh, _spec(tp, axes[path]))
         return jax.make_array_from_callback(x.shape, sharding,
                                             lambda index: np.ascontiguousarray(x[index], np_dtype))
-    params = from_hf_tensors(cfg, get, shapes, dtype=dtype, place=place, progress=progress)
+    params = from_hf_tensors(cfg, get, shapes, dtype=dtype, place=place, progress=progress,
+                             threads=threads)
     return params.replace(config=layout, tp=tp)

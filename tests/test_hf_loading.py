@@ -5,11 +5,17 @@ from __future__ import annotations
 import copy
 import json
 
+import jax
 import numpy as np
+import pytest
 import torch
+import transformers
 
 import jaxllm
 import tiny_models
+from jaxllm import hf, loader, presets
+from jaxllm.config import ModelConfig
+from jaxllm.params import from_hf_tensors
 
 
 def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path, tiny):
@@ -39,3 +45,48 @@ def test_bf16_checkpoint_matches_transformers_in_bf16(tmp_path, tiny):
     exact = jaxllm.load(tmp_path, dtype="float32")
     np.testing.assert_array_equal(np.asarray(exact.embed),
                                   hf_bf16.model.embed_tokens.weight.detach().float().numpy())
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_presets_write_a_config_json_that_reads_back_as_the_preset(name):
+    cfg = presets.PRESETS[name]
+    assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+
+
+# Families and switches whose config.json transformers must read as jaxllm does: rope variants,
+# biases, sliding windows on every layer or some, q/k norms, experts.
+@pytest.mark.parametrize("name", ["llama3", "llama_yarn", "llama_bias", "mistral", "qwen2_swa",
+                                  "qwen3", "tiny-moe"])
+def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
+    cfg = presets.PRESETS.get(name) or ModelConfig.from_hf(tiny_models.hf_config(name).to_dict())
+    files = presets.write_checkpoint(cfg, tmp_path, seed=3, dtype="float32", scale=0.2,
+                                     shard_bytes=200_000)
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    params = jaxllm.load(tmp_path, dtype="float32")
+    assert params.config == cfg  # what was written reads back whole
+    tokens = tiny_models.random_tokens((2, 12))
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert tiny_models.rel_err(jaxllm.forward(params, tokens), ref) < 1e-4
+
+
+def test_loading_threads_give_the_same_params(tmp_path, monkeypatch, llama):
+    llama.hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    monkeypatch.setattr(loader, "LOAD_THREADS", 1)
+    one = jaxllm.load(tmp_path, dtype="float32")
+    monkeypatch.setattr(loader, "LOAD_THREADS", 8)
+    eight = jaxllm.load(tmp_path, dtype="float32")
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_failed_read_on_a_loading_thread_is_raised(llama):
+    cfg, reader = hf.read_checkpoint(llama.path)
+    with reader:
+        def failing(name):
+            if name == "model.layers.1.mlp.up_proj.weight":
+                raise ValueError(f"{name} could not be read")
+            return reader.get(name)
+        with pytest.raises(ValueError, match="up_proj.weight could not be read"):
+            from_hf_tensors(cfg, failing, reader.shapes, threads=4)
