@@ -4,6 +4,8 @@
     python scripts/bench.py --preset llama3-8b --batch 1,8,32 --prompt-len 128 --new-tokens 256
     python scripts/bench.py --preset llama3-8b --context 512,8192       # decode cost vs context
     python scripts/bench.py --model path/to/hf_dir --measure-peaks --plot bench.png
+    python scripts/bench.py --preset llama3-8b --write-checkpoint /tmp/ck   # random, HF layout
+    python scripts/bench.py --model /tmp/ck --cold --load-only              # load against disk
 
 A run is one (batch, prompt length): random prompts, greedy, no stop ids, so every row makes all
 --new-tokens. The first `generate` call includes compilation; --repeat timed calls follow. Prefill
@@ -27,6 +29,9 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   peak_bytes_in_use, bytes_in_use, bytes_limit, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
+With --model, each line (and the one line of --load-only) also has load_s, checkpoint_bytes,
+load_gb_per_s (the files' bytes over load_s) and cold; with --cold, disk_read_gb_per_s (one plain
+sequential read of the same files, dropped from the page cache before it and again after).
 With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices' together, so the
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
@@ -91,12 +96,24 @@ def parse_args(argv):
     p.add_argument("--matmul-tflops", type=float, help="measured bf16 matmul rate to compare with")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="turn off jaxllm's persistent compilation cache (cold compile times)")
+    p.add_argument("--write-checkpoint", metavar="DIR",
+                   help="write the --preset's shape with random weights as a Hugging Face "
+                        "checkpoint in DIR (one JSON line), then exit: --model DIR loads it")
+    p.add_argument("--cold", action="store_true",
+                   help="with --model DIR: drop its files from the page cache, time one plain read "
+                        "of them (the disk's rate), drop them again, then load")
+    p.add_argument("--load-only", action="store_true",
+                   help="with --model: print the load's JSON line and stop")
     p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peaks_probe:
         return args
     if not (args.preset or args.model):
         p.error("give --preset NAME or --model PATH")
+    if args.write_checkpoint and not args.preset:
+        p.error("--write-checkpoint takes the shape of --preset")
+    if (args.cold or args.load_only) and not args.model:
+        p.error("--cold and --load-only time the loading of --model")
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2: a decode step is timed from the tokens after the first")
     if args.repeat < 1:
@@ -177,6 +194,54 @@ def probe_peaks() -> dict:
     log(f"bench: measured on {peaks['device']}: copy {peaks['copy_tbps']:.2f} TB/s, "
         f"bf16 matmul {peaks['matmul_tflops']:.0f} TFLOP/s")
     return peaks
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints: writing one, and the disk's rate against the load's
+
+
+def write_checkpoint(args) -> dict:
+    from jaxllm import presets
+    t0 = time.perf_counter()
+    files = presets.write_checkpoint(presets.PRESETS[args.preset], args.write_checkpoint,
+                                     seed=args.seed, dtype=args.dtype)
+    for f in files:  # on the disk, not only in the page cache
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    return dict(preset=args.preset, checkpoint=args.write_checkpoint, dtype=args.dtype,
+                checkpoint_bytes=sum(f.stat().st_size for f in files),
+                write_s=time.perf_counter() - t0)
+
+
+def checkpoint_files(path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(path.glob("*.safetensors")) or sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def drop_from_page_cache(files):
+    """Ask the kernel to forget the files' cached pages (no root needed), so the next read comes
+    from the disk; written pages are flushed first, since dirty ones cannot be dropped."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_rate(files, piece: int = 64 << 20) -> float:
+    """Bytes/s of one plain sequential read of the files into a reused buffer: the disk's rate
+    where they are not cached."""
+    buf = memoryview(bytearray(piece))
+    t0, total = time.perf_counter(), 0
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    return total / (time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,6 +446,14 @@ def main(argv=None) -> int:
     peaks.setdefault("copy_tbps", args.copy_tbps)
     peaks.setdefault("matmul_tflops", args.matmul_tflops)
 
+    if args.write_checkpoint:
+        from jaxllm import presets
+        if args.preset not in presets.PRESETS:
+            log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
+            return 2
+        print(json.dumps(write_checkpoint(args)), flush=True)
+        return 0
+
     import jax
     import jaxlib
 
@@ -392,9 +465,20 @@ def main(argv=None) -> int:
     if args.tp > 1:
         from jaxllm.sharding import make_mesh
         mesh = make_mesh(args.tp)
+    loading = {}
     if args.model:
-        params = jaxllm.load(args.model, dtype=dtype, quant=args.quant, mesh=mesh,
-                             expert_parallel=args.expert_parallel)
+        files = checkpoint_files(args.model)
+        if args.cold:
+            drop_from_page_cache(files)
+            loading["disk_read_gb_per_s"] = read_rate(files) / 1e9
+            drop_from_page_cache(files)
+        t0 = time.perf_counter()
+        params = _wait(jaxllm.load(args.model, dtype=dtype, quant=args.quant, mesh=mesh,
+                                   expert_parallel=args.expert_parallel))
+        loading["load_s"] = time.perf_counter() - t0
+        loading["checkpoint_bytes"] = sum(f.stat().st_size for f in files)
+        loading["load_gb_per_s"] = loading["checkpoint_bytes"] / loading["load_s"] / 1e9
+        loading["cold"] = args.cold
     else:
         if args.preset not in presets.PRESETS:
             log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
@@ -418,7 +502,10 @@ def main(argv=None) -> int:
                  platform=jax.default_backend(), jax_version=jax.__version__,
                  jaxlib_version=jaxlib.__version__, git=_git_version(), source=_source_hash(), tp=args.tp,
                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAXLLM_", "XLA_FLAGS"))},
-                 compile_cache=jax.config.jax_compilation_cache_dir)
+                 compile_cache=jax.config.jax_compilation_cache_dir, **loading)
+    if args.load_only:
+        print(json.dumps(_finite(label), allow_nan=False, default=str), flush=True)
+        return 0
 
     # Each run is a new shape on purpose: jaxllm's warning about recompiling is noise here.
     warnings.filterwarnings("ignore", message="jaxllm: recompiling")

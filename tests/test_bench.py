@@ -85,6 +85,7 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
     (["--dtype", "float32", "--kv-dtype", "bf16"], "not implemented yet"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
     (["--batch", "1,0"], "integers >= 1"),
+    (["--cold"], "--cold and --load-only time the loading of --model"),
 ])
 def test_bench_refuses_what_it_cannot_measure(flags, message):
     proc = _bench("--preset", "tiny", *flags, timeout=120)
@@ -129,6 +130,33 @@ def test_bench_int8_kv_cache():
     assert r["kv_dtype"] == "int8" and r["error"] is None
     # int8 values plus a float32 scale per (row, KV head, slot), for k and v of every layer.
     assert r["kv_cache_bytes"] == 2 * cfg.num_layers * 2 * r["cache_len"] * cfg.num_kv_heads * (cfg.head_dim + 4)
+
+
+def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
+    checkpoint = tmp_path / "tiny"
+    proc = _bench("--preset", "tiny", "--write-checkpoint", str(checkpoint), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(proc.stdout)
+    files = list(checkpoint.glob("*.safetensors"))
+    assert written["checkpoint_bytes"] == sum(f.stat().st_size for f in files) > 0
+    assert ModelConfig.from_hf(checkpoint) == presets.PRESETS["tiny"]
+
+    load_keys = {"load_s", "checkpoint_bytes", "load_gb_per_s", "cold", "disk_read_gb_per_s"}
+    proc = _bench("--model", str(checkpoint), "--cold", "--load-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (loaded,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert load_keys <= set(loaded) and "decode_ms_per_step" not in loaded
+    assert loaded["cold"] is True and loaded["checkpoint_bytes"] == written["checkpoint_bytes"]
+    assert loaded["load_gb_per_s"] == pytest.approx(loaded["checkpoint_bytes"] / loaded["load_s"] / 1e9)
+    assert loaded["disk_read_gb_per_s"] > 0
+
+    # A decode run from the checkpoint carries the load's figures beside the documented keys.
+    proc = _bench("--model", str(checkpoint), "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert set(run) == _documented_keys() | load_keys - {"disk_read_gb_per_s"}
+    assert run["error"] is None and run["cold"] is False and run["model"] == str(checkpoint)
+    assert run["param_count"] == param_count(abstract_params(presets.PRESETS["tiny"]))
 
 
 def test_bench_reports_a_failed_run_as_json_and_fails():
