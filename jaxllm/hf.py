@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -101,6 +102,49 @@ class SafetensorsReader(contextlib.ExitStack):
             fd = os.open(f, os.O_RDONLY)
             self.callback(os.close, fd)
             self._extents.update(_extents(f, fd))
+        self._read_to = 0  # the furthest byte of `read_ahead`'s order that `get` has asked for
+        self._ahead_at: dict[str, int] = {}
+        self._moved = threading.Condition()
+        self._closed, self._ahead = False, None
+        self.callback(self._close_ahead)  # run first on closing: before the files are
+
+    def read_ahead(self, order: list[str], window: int):
+        """Have the kernel bring the tensors of `order` into the page cache ahead of `get`, in
+        that order (one sequential stream), at most `window` bytes past the furthest asked for:
+        a thread hands it the extents (posix_fadvise WILLNEED) and the disk reads while the
+        caller converts. A hint: what it has not brought, `get` reads as before."""
+        if window <= 0 or not hasattr(os, "posix_fadvise"):
+            return
+        at, plan = 0, []
+        for name in order:
+            if name in self._extents:
+                fd, _, start, end = self._extents[name]
+                self._ahead_at[name] = at + end - start
+                plan.append((at, fd, start, end))
+                at += end - start
+
+        def advise():
+            for at, fd, start, end in plan:
+                with self._moved:
+                    while not self._closed and at > self._read_to + window:
+                        self._moved.wait()
+                for piece in range(start, end, READ_PIECE):
+                    if self._closed:
+                        return
+                    try:
+                        os.posix_fadvise(fd, piece, min(READ_PIECE, end - piece),
+                                         os.POSIX_FADV_WILLNEED)
+                    except OSError:  # a file system that takes no advice: `get` reads as before
+                        return
+        self._ahead = threading.Thread(target=advise, name="jaxllm-read-ahead", daemon=True)
+        self._ahead.start()
+
+    def _close_ahead(self):
+        with self._moved:
+            self._closed = True
+            self._moved.notify_all()
+        if self._ahead is not None:
+            self._ahead.join()
 
     def get(self, name: str) -> np.ndarray:
         f, handle = self.handles[name]
@@ -110,6 +154,10 @@ class SafetensorsReader(contextlib.ExitStack):
                 return handle.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"{f}: tensor {name} could not be read ({e}); the file may be truncated") from None
+        if name in self._ahead_at:
+            with self._moved:
+                self._read_to = max(self._read_to, self._ahead_at[name])
+                self._moved.notify_all()
         fd, dtype, at, end = extent
         out = np.empty(self.shapes[name], _DTYPES[dtype])
         if out.nbytes != end - at:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
-from jaxllm.params import Params, from_hf_tensors
+from jaxllm.params import Params, from_hf_tensors, specs_in_order
 from jaxllm.quant import QUANT_MODES, is_quantized, quantize_params, quantizing_place
 
 CACHE_FORMAT = 1  # bump when the cached conversion changes
@@ -73,14 +73,25 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
         return quantize_params(params, quant)  # whole, after the restore: float and int8 at once
     cfg, reader = hf.read_checkpoint(path)
     with reader:
+        reader.read_ahead(hf_order(cfg), READ_AHEAD_BYTES)
         return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard, quant)
 
 
 # Parameters read, converted and placed at once (`params.from_hf_tensors`' threads). The 8B shape
 # from a cold page cache on an H200 machine (bench --cold, two rounds): 8 threads 9.3 and 13.6 s,
-# 4 threads 9.6 and 11.0; one thread reading ahead of them in file order (2-4 GB) no better
-# (8.7-13.2), and 1.0-1.7 s slower with the files cached.
+# 4 threads 9.6 and 11.0; a Python thread reading ahead of them in file order (2-4 GB) no
+# better (8.7-13.2), and 1.0-1.7 s slower with the files cached.
 LOAD_THREADS = int(os.environ.get("JAXLLM_LOAD_THREADS", "8"))
+# How far ahead of the threads the kernel is asked to read (`hf.SafetensorsReader.read_ahead`):
+# page cache, which the kernel takes back under pressure. The 8B shape, cold, same machine and
+# run (bench --cold; the load's rate over a plain read's): 16 GB 8.14 s (83%, one round), 4 GB
+# 9.20-9.52 (72-74%), none 9.47-10.70 (67-72%); 4.2 s cached either way. 0 turns it off.
+READ_AHEAD_BYTES = int(float(os.environ.get("JAXLLM_READ_AHEAD_MB", "16384")) * 2**20)
+
+
+def hf_order(cfg: ModelConfig) -> list[str]:
+    """The checkpoint's tensor names in the order `from_hf_tensors` asks for them."""
+    return [name for s in specs_in_order(cfg) for name, _ in s.hf]
 
 
 def _convert(cfg: ModelConfig, get, shapes, dtype, name: str, shard: dict | None = None,
@@ -117,6 +128,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
         cfg, reader = hf.read_checkpoint(cached)
         with reader:
+            reader.read_ahead(hf_order(cfg), READ_AHEAD_BYTES)
             return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard, quant)
     hf_config, tensors = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config)

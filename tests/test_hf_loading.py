@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import jax
 import numpy as np
@@ -90,3 +91,21 @@ def test_a_failed_read_on_a_loading_thread_is_raised(llama):
             return reader.get(name)
         with pytest.raises(ValueError, match="up_proj.weight could not be read"):
             from_hf_tensors(cfg, failing, reader.shapes, threads=4)
+
+
+def test_reading_ahead_changes_no_value_and_ends_with_the_reader(tmp_path, monkeypatch, llama):
+    llama.hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    monkeypatch.setattr(loader, "READ_AHEAD_BYTES", 0)
+    plain = jaxllm.load(tmp_path, dtype="float32")
+    monkeypatch.setattr(loader, "READ_AHEAD_BYTES", 1)  # under any tensor: it waits on every read
+    ahead = jaxllm.load(tmp_path, dtype="float32")
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(ahead), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # A reader closed before any read stops its thread rather than leaving it waiting.
+    cfg, reader = hf.read_checkpoint(tmp_path)
+    with reader:
+        reader.read_ahead(loader.hf_order(cfg), 1)
+        thread = reader._ahead
+        assert thread.is_alive()
+    assert not thread.is_alive()
+    assert not any(t.name == "jaxllm-read-ahead" for t in threading.enumerate())
