@@ -116,8 +116,9 @@ class ModelConfig:
         r = self.rope
         rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
         if r.rope_type != "default":
-            rope.update(factor=r.factor,
-                        original_max_position_embeddings=r.original_max_position_embeddings)
+            rope["factor"] = r.factor
+        if r.original_max_position_embeddings is not None:
+            rope["original_max_position_embeddings"] = r.original_max_position_embeddings
         if r.rope_type == "llama3":
             rope.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
         if r.rope_type == "yarn":

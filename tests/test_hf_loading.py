@@ -54,10 +54,9 @@ def test_presets_write_a_config_json_that_reads_back_as_the_preset(name):
     assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
 
 
-# Families and switches whose config.json transformers must read as jaxllm does: rope variants,
-# biases, sliding windows on every layer or some, q/k norms, experts.
-@pytest.mark.parametrize("name", ["llama3", "llama_yarn", "llama_bias", "mistral", "qwen2_swa",
-                                  "qwen3", "tiny-moe"])
+# Every family and switch of the tiny models, whose config.json transformers must read as jaxllm
+# does (rope variants, biases, sliding windows on every layer or some, q/k norms), and experts.
+@pytest.mark.parametrize("name", sorted(tiny_models.VARIANTS) + ["tiny-moe"])
 def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
     cfg = presets.PRESETS.get(name) or ModelConfig.from_hf(tiny_models.hf_config(name).to_dict())
     files = presets.write_checkpoint(cfg, tmp_path, seed=3, dtype="float32", scale=0.2,
