@@ -62,12 +62,12 @@ def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
     files = presets.write_checkpoint(cfg, tmp_path, seed=3, dtype="float32", scale=0.2,
                                      shard_bytes=200_000)
     assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     params = jaxllm.load(tmp_path, dtype="float32")
     assert params.config == cfg  # what was written reads back whole
     tokens = tiny_models.random_tokens((2, 12))
     with torch.no_grad():
-        ref = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+        ref = reference(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
     assert tiny_models.rel_err(jaxllm.forward(params, tokens), ref) < 1e-4
 
 
