@@ -71,10 +71,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
         if is_quantized(params):  # converted with --quant int8 already
             return params
         return quantize_params(params, quant)  # whole, after the restore: float and int8 at once
-    cfg, reader = hf.read_checkpoint(path)
-    with reader:
-        reader.read_ahead(hf_order(cfg), READ_AHEAD_BYTES)
-        return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard, quant)
+    return _load_hf(path, dtype, path.name, shard, quant)
 
 
 # Parameters read, converted and placed at once (`params.from_hf_tensors`' threads). The 8B shape
@@ -92,6 +89,14 @@ READ_AHEAD_BYTES = int(float(os.environ.get("JAXLLM_READ_AHEAD_MB", "16384")) * 
 def hf_order(cfg: ModelConfig) -> list[str]:
     """The checkpoint's tensor names in the order `from_hf_tensors` asks for them."""
     return [name for s in specs_in_order(cfg) for name, _ in s.hf]
+
+
+def _load_hf(path: Path, dtype, name: str, shard: dict | None, quant: str) -> Params:
+    """An HF checkpoint directory through `_convert`, the kernel reading its files ahead."""
+    cfg, reader = hf.read_checkpoint(path)
+    with reader:
+        reader.read_ahead(hf_order(cfg), READ_AHEAD_BYTES)
+        return _convert(cfg, reader.get, reader.shapes, dtype, name, shard, quant)
 
 
 def _convert(cfg: ModelConfig, get, shapes, dtype, name: str, shard: dict | None = None,
@@ -126,10 +131,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
 
     cached = _gguf_cache_path(path)
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
-        cfg, reader = hf.read_checkpoint(cached)
-        with reader:
-            reader.read_ahead(hf_order(cfg), READ_AHEAD_BYTES)
-            return _convert(cfg, reader.get, reader.shapes, dtype, path.name, shard, quant)
+        return _load_hf(cached, dtype, path.name, shard, quant)
     hf_config, tensors = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config)
     # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
