@@ -214,10 +214,16 @@ def write_checkpoint(args) -> dict:
 
 
 def checkpoint_files(path) -> list[Path]:
+    """The files a load of `path` reads: a GGUF file, an HF directory's safetensors (as jaxllm
+    finds them), or every file of a `jaxllm convert` directory."""
+    from jaxllm import hf
     path = Path(path)
     if path.is_file():
         return [path]
-    return sorted(path.glob("*.safetensors")) or sorted(p for p in path.rglob("*") if p.is_file())
+    try:
+        return hf.safetensor_files(path)
+    except ValueError:
+        return sorted(p for p in path.rglob("*") if p.is_file())
 
 
 def drop_from_page_cache(files):
