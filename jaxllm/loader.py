@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
-from jaxllm.params import Params, from_hf_tensors, specs_in_order
+from jaxllm.params import Params, from_hf_tensors
 from jaxllm.quant import QUANT_MODES, is_quantized, quantize_params, quantizing_place
 
 CACHE_FORMAT = 1  # bump when the cached conversion changes
@@ -74,42 +74,41 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     return _load_hf(path, dtype, path.name, shard, quant)
 
 
-# Parameters read, converted and placed at once (`params.from_hf_tensors`' threads). The 8B shape
-# from a cold page cache on an H200 machine (bench --cold, two rounds): 8 threads 9.3 and 13.6 s,
-# 4 threads 9.6 and 11.0; a Python thread reading ahead of them in file order (2-4 GB) no
-# better (8.7-13.2), and 1.0-1.7 s slower with the files cached.
+# Threads reading parameters, and as many placing them (`params.from_hf_tensors`), with at most
+# LOAD_BUFFER_BYTES of host memory read but not yet placed (at most half the memory available):
+# room for the disk to go on reading while the GPU backend starts. The 8B shape cold on H200
+# machines: the first parameter reached the GPU 3.6-5.5 s into a fresh process, at a disk's
+# 1.8-2.1 GB/s; a first version with 4 GB loaded in 10.6-12.5 s, with 8 GB 10.3-10.9.
 LOAD_THREADS = int(os.environ.get("JAXLLM_LOAD_THREADS", "8"))
-# How far ahead of the threads the kernel is asked to read (`hf.SafetensorsReader.read_ahead`):
-# page cache, which the kernel takes back under pressure. The 8B shape, cold, same machine and
-# run (bench --cold; the load's rate over a plain read's): 16 GB 8.14 s (83%, one round), 4 GB
-# 9.20-9.52 (72-74%), none 9.47-10.70 (67-72%); 4.2 s cached either way. 0 turns it off.
-READ_AHEAD_BYTES = int(float(os.environ.get("JAXLLM_READ_AHEAD_MB", "16384")) * 2**20)
+LOAD_BUFFER_BYTES = int(float(os.environ.get("JAXLLM_LOAD_BUFFER_MB", "8192")) * 2**20)
 
 
-def hf_order(cfg: ModelConfig) -> list[str]:
-    """The checkpoint's tensor names in the order `from_hf_tensors` asks for them."""
-    return [name for s in specs_in_order(cfg) for name, _ in s.hf]
+def _buffer_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: the setting as it is
+        return LOAD_BUFFER_BYTES
+    return min(LOAD_BUFFER_BYTES, kib * 1024 // 2)
 
 
 def _load_hf(path: Path, dtype, name: str, shard: dict | None, quant: str) -> Params:
-    """An HF checkpoint directory through `_convert`, the kernel reading its files ahead."""
+    """An HF checkpoint directory, read and converted through `_convert`."""
     cfg, reader = hf.read_checkpoint(path)
     with reader:
-        reader.read_ahead(hf_order(cfg), READ_AHEAD_BYTES)
-        return _convert(cfg, reader.get, reader.shapes, dtype, name, shard, quant)
+        return _convert(cfg, reader, dtype, name, shard, quant)
 
 
-def _convert(cfg: ModelConfig, get, shapes, dtype, name: str, shard: dict | None = None,
+def _convert(cfg: ModelConfig, source, dtype, name: str, shard: dict | None = None,
              quant: str = "none") -> Params:
-    total = sum(int(np.prod(s)) for s in shapes.values())
+    total = sum(int(np.prod(s)) for s in source.shapes.values())
     update, close = _progress(total, f"loading {name}")
+    flow = dict(progress=update, threads=LOAD_THREADS, buffer_bytes=_buffer_bytes())
     try:
         if shard is not None:
-            return sharding.from_hf_sharded(cfg, get, shapes, dtype, progress=update,
-                                            threads=LOAD_THREADS, **shard)
+            return sharding.from_hf_sharded(cfg, source, dtype, **shard, **flow)
         place = None if quant == "none" else quantizing_place(dtype, cfg.tie_word_embeddings)
-        return from_hf_tensors(cfg, get, shapes, dtype=dtype, place=place, progress=update,
-                               threads=LOAD_THREADS)
+        return from_hf_tensors(cfg, source, dtype=dtype, place=place, **flow)
     finally:
         close()
 
@@ -138,8 +137,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     stops = tuple(load_tokenizer(path).eos_token_ids)
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + stops)))
     _write_cache(cached, hf_config, cfg, tensors)
-    get, shapes = hf.hf_state_dict_reader(tensors)
-    return _convert(cfg, get, shapes, dtype, path.name, shard, quant)
+    return _convert(cfg, hf.ArraySource(tensors), dtype, path.name, shard, quant)
 
 
 def _write_cache(target: Path, hf_config: dict, cfg: ModelConfig, tensors: dict[str, np.ndarray]):

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -77,56 +77,58 @@ class ParamSpec:
     axes: tuple[str | None, ...]  # logical axis names: "vocab", "heads_kv", "ffn", "experts"
     init: str  # "normal" | "ones" | "zeros"
     hf: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of each source tensor
-    convert: Callable[..., np.ndarray]  # source arrays (in hf order) -> our layout
+    # The parameter's array -> one view of it per source tensor (in hf order), where that
+    # tensor's values land in C order: loading reads each source straight into its view.
+    parts: Callable[[np.ndarray], tuple[np.ndarray, ...]]
 
 
-def _qkv(cfg: ModelConfig):
-    K, G, H, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.hidden_size
+def _whole(out: np.ndarray) -> tuple[np.ndarray]:
+    return (out,)
 
-    def convert(q, k, v):  # q [N*H, ...], k/v [K*H, ...]; trailing D for weights, none for biases
-        tail = q.shape[1:]
-        return np.concatenate([q.reshape(K, G, H, *tail), k.reshape(K, 1, H, *tail),
-                               v.reshape(K, 1, H, *tail)], axis=1)  # [K, G+2, H, (D)]
-    return K, G, H, D, convert
+
+def _leading(out: np.ndarray) -> tuple[np.ndarray, ...]:
+    return tuple(out)
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     """The parameters of layer i (MoE layers and family switches change the set)."""
-    K, G, H, D, convert_qkv = _qkv(cfg)
+    K, G, H, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.hidden_size
     N, F = cfg.num_heads, cfg.ffn_size
     p = f"model.layers.{i}."
-    ident = lambda x: x  # noqa: E731
+
+    def qkv_parts(out):  # [K, G+2, H, (D)]: q [N*H, (D)] as [K, G, H], then k and v [K*H, (D)]
+        return out[:, :G], out[:, G:G + 1], out[:, G + 1:]
     specs = {
-        "attn_norm": ParamSpec((D,), (None,), "ones", ((p + "input_layernorm.weight", (D,)),), ident),
+        "attn_norm": ParamSpec((D,), (None,), "ones", ((p + "input_layernorm.weight", (D,)),), _whole),
         "wqkv": ParamSpec(
             (K, G + 2, H, D), ("heads_kv", None, None, None), "normal",
             ((p + "self_attn.q_proj.weight", (N * H, D)), (p + "self_attn.k_proj.weight", (K * H, D)),
-             (p + "self_attn.v_proj.weight", (K * H, D))), convert_qkv),
+             (p + "self_attn.v_proj.weight", (K * H, D))), qkv_parts),
         "wo": ParamSpec((D, K, G, H), (None, "heads_kv", None, None), "normal",
                         ((p + "self_attn.o_proj.weight", (D, N * H)),),
-                        lambda w: w.reshape(D, K, G, H)),
+                        _whole),
         "mlp_norm": ParamSpec((D,), (None,), "ones",
-                              ((p + "post_attention_layernorm.weight", (D,)),), ident),
+                              ((p + "post_attention_layernorm.weight", (D,)),), _whole),
     }
     if cfg.qkv_bias:
         specs["bqkv"] = ParamSpec(
             (K, G + 2, H), ("heads_kv", None, None), "zeros",
             ((p + "self_attn.q_proj.bias", (N * H,)), (p + "self_attn.k_proj.bias", (K * H,)),
-             (p + "self_attn.v_proj.bias", (K * H,))), convert_qkv)
+             (p + "self_attn.v_proj.bias", (K * H,))), qkv_parts)
     if cfg.o_bias:
-        specs["bo"] = ParamSpec((D,), (None,), "zeros", ((p + "self_attn.o_proj.bias", (D,)),), ident)
+        specs["bo"] = ParamSpec((D,), (None,), "zeros", ((p + "self_attn.o_proj.bias", (D,)),), _whole)
     if cfg.qk_norm:
-        specs["q_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.q_norm.weight", (H,)),), ident)
-        specs["k_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.k_norm.weight", (H,)),), ident)
+        specs["q_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.q_norm.weight", (H,)),), _whole)
+        specs["k_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.k_norm.weight", (H,)),), _whole)
     if cfg.is_moe(i):
         specs.update(moe_specs(cfg, i))
     else:
         specs["w_gate_up"] = ParamSpec(
             (2, F, D), (None, "ffn", None), "normal",
             ((p + "mlp.gate_proj.weight", (F, D)), (p + "mlp.up_proj.weight", (F, D))),
-            lambda g, u: np.stack([g, u]))
+            _leading)
         specs["w_down"] = ParamSpec((D, F), (None, "ffn"), "normal",
-                                    ((p + "mlp.down_proj.weight", (D, F)),), ident)
+                                    ((p + "mlp.down_proj.weight", (D, F)),), _whole)
     return specs
 
 
@@ -142,13 +144,13 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         gate, up, down = (p + f"mlp.experts.{{e}}.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj"))
     gate_up_sources = tuple((n.format(e=e), (F, D)) for e in range(E) for n in (gate, up))
     return {
-        "router": ParamSpec((E, D), (None, None), "normal", ((router, (E, D)),), lambda w: w),
-        "experts_gate_up": ParamSpec(
+        "router": ParamSpec((E, D), (None, None), "normal", ((router, (E, D)),), _whole),
+        "experts_gate_up": ParamSpec(  # sources alternate gate, up per expert
             (E, 2, F, D), ("experts", None, "ffn", None), "normal", gate_up_sources,
-            lambda *ws: np.stack(ws).reshape(E, 2, F, D)),  # sources alternate gate, up per expert
+            lambda out: tuple(out.reshape(2 * E, F, D))),
         "experts_down": ParamSpec(
             (E, D, F), ("experts", None, "ffn"), "normal",
-            tuple((down.format(e=e), (D, F)) for e in range(E)), lambda *ws: np.stack(ws)),
+            tuple((down.format(e=e), (D, F)) for e in range(E)), _leading),
     }
 
 
@@ -156,12 +158,12 @@ def top_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     V, D = cfg.vocab_size, cfg.hidden_size
     specs = {
         "embed": ParamSpec((V, D), ("vocab", None), "normal", (("model.embed_tokens.weight", (V, D)),),
-                           lambda w: w),
-        "final_norm": ParamSpec((D,), (None,), "ones", (("model.norm.weight", (D,)),), lambda w: w),
+                           _whole),
+        "final_norm": ParamSpec((D,), (None,), "ones", (("model.norm.weight", (D,)),), _whole),
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((V, D), ("vocab", None), "normal", (("lm_head.weight", (V, D)),),
-                                     lambda w: w)
+                                     _whole)
     return specs
 
 
@@ -237,20 +239,39 @@ def specs_in_order(cfg: ModelConfig) -> list[ParamSpec]:
             + list(top_specs(cfg).values()))
 
 
-def from_hf_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray], shapes: dict[str, tuple],
-                    dtype=jnp.float32, place: Callable[[str, np.ndarray], Any] | None = None,
-                    progress: Callable[[int], None] | None = None, threads: int = 1) -> Params:
+class TensorSource(Protocol):
+    """HF-named tensors as `from_hf_tensors` reads them (`hf.SafetensorsReader`, `hf.ArraySource`)."""
+
+    shapes: dict[str, tuple[int, ...]]
+
+    def dtype(self, name: str) -> np.dtype: ...
+
+    def position(self, name: str) -> tuple[int, int]: ...  # where its bytes lie: reads go in order
+
+    def read_into(self, name: str, view: np.ndarray) -> None: ...  # the values, in C order
+
+
+def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
+                    place: Callable[[str, np.ndarray], Any] | None = None,
+                    progress: Callable[[int], None] | None = None, threads: int = 1,
+                    buffer_bytes: int = 1 << 32) -> Params:
     """Convert HF-named tensors into Params, checking the set of names and every shape first.
 
-    `get(name)` returns a numpy array; `shapes` maps every tensor the checkpoint holds to its shape; `place`
-    (default: jnp.asarray) puts one converted parameter on its device(s). A missing, unexpected
-    or misshapen tensor is a ValueError naming it, raised before any conversion work.
-    With `threads` > 1, that many parameters are read, converted and placed at once (`get`,
-    `place` and `progress` then run on those threads), the rest waiting their turn.
+    `source` holds the tensors (see `TensorSource`). Each parameter is made in host memory by
+    reading its sources into their parts of it (no copy), then `place(path, array)` (default:
+    jnp.asarray) puts it on its device(s). A missing, unexpected or misshapen tensor is a
+    ValueError naming it, raised before anything is read.
+
+    With `threads` > 1, that many threads read parameters, the largest first and otherwise in
+    the order of their bytes, and as many place them as they come: the disk keeps reading while
+    the device takes what was read (and while its backend starts), with at most `buffer_bytes`
+    read but not yet placed. (`place` and `progress` then run on those threads.)
     """
-    expected = {name: shape for s in specs_in_order(cfg) for name, shape in s.hf}
+    jobs: list[tuple[str, ParamSpec]] = []
+    _assemble(cfg, lambda path, s: jobs.append((path, s)))
+    expected = {name: shape for _, s in jobs for name, shape in s.hf}
     # Checkpoints often carry the rotary inv_freq buffer; it is derived from the config instead.
-    present = {n for n in shapes if not n.endswith("rotary_emb.inv_freq")}
+    present = {n for n in source.shapes if not n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints still store a copy
     missing = sorted(set(expected) - present)
@@ -262,31 +283,94 @@ def from_hf_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray], shapes: 
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): "
                          f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
     for name, shape in expected.items():
-        if tuple(shapes[name]) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(shapes[name])}, expected {shape} "
-                             f"from the config")
+        if tuple(source.shapes[name]) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(source.shapes[name])}, expected "
+                             f"{shape} from the config")
     place = place or (lambda path, x: jnp.asarray(x, dtype))
+    host_dtype = {path: np.result_type(*(source.dtype(name) for name, _ in s.hf)) for path, s in jobs}
 
-    def make(path, s: ParamSpec):
-        out = place(path, s.convert(*(get(name) for name, _ in s.hf)))
+    def read(path: str, s: ParamSpec) -> np.ndarray:
+        out = np.empty(s.shape, host_dtype[path])
+        for (name, _), part in zip(s.hf, s.parts(out), strict=True):
+            source.read_into(name, part)
+        return out
+
+    def put(path: str, s: ParamSpec, x: np.ndarray):
+        out = place(path, x)
         if progress:
             progress(sum(int(np.prod(shape)) for _, shape in s.hf))
         return out
     if threads <= 1:
-        return _assemble(cfg, make)
-    slots = threading.BoundedSemaphore(threads)  # parameters in flight, so host memory stays bounded
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxllm-load")
-    failed: list[Future] = []
+        return _assemble(cfg, lambda path, s: put(path, s, read(path, s)))
+    size = {path: int(np.prod(s.shape)) * host_dtype[path].itemsize for path, s in jobs}
+    # Largest first: the last parameters read are small, so little is left to place once the
+    # disk is done (the 8B shape's 1 GB embed and lm_head, last, took 0.5-0.7 s each after it).
+    jobs.sort(key=lambda job: (-size[job[0]], source.position(job[1].hf[0][0])))
+    placed = _read_then_place(jobs, read, put, size, threads, buffer_bytes)
+    return _assemble(cfg, lambda path, s: placed[path])
 
-    def submit(path, s: ParamSpec) -> Future:
-        slots.acquire()
-        if failed:  # stop at the first failure rather than reading the rest
-            slots.release()
-            failed[0].result()
-        future = pool.submit(make, path, s)
-        future.add_done_callback(lambda f: (f.exception() and failed.append(f), slots.release()))
-        return future
+
+def _read_then_place(jobs: list[tuple[str, ParamSpec]], read, put, size: dict[str, int],
+                     threads: int, buffer_bytes: int) -> dict[str, Any]:
+    """`threads` threads read the jobs in order, `threads` more place what was read, as it comes;
+    a reader waits while `buffer_bytes` are read and not yet placed (unless nothing is, so one
+    larger job still goes). The first failure stops both and is raised."""
+    todo, ready = iter(jobs), queue.Queue()
+    held, failures, placed = 0, [], {}
+    moved = threading.Condition()
+
+    def reader():
+        nonlocal held
+        while True:
+            with moved:
+                job = next(todo, None)
+                while job and held and held + size[job[0]] > buffer_bytes and not failures:
+                    moved.wait()
+                if job is None or failures:
+                    return
+                held += size[job[0]]
+            try:
+                ready.put((job, read(*job)))
+            except BaseException as e:  # noqa: BLE001 - raised by the caller below
+                with moved:
+                    failures.append(e)
+                    held -= size[job[0]]
+                    moved.notify_all()
+                return
+
+    def placer():
+        nonlocal held
+        while (item := ready.get()) is not None:
+            (path, s), x = item
+            failure = None
+            try:
+                if not failures:  # placed in full before its host memory counts as free
+                    placed[path] = jax.block_until_ready(put(path, s, x))
+            except BaseException as e:  # noqa: BLE001
+                failure = e
+            del item, x
+            with moved:
+                if failure is not None:
+                    failures.append(failure)
+                held -= size[path]
+                moved.notify_all()
+    readers = [threading.Thread(target=reader, name=f"jaxllm-read-{i}") for i in range(threads)]
+    placers = [threading.Thread(target=placer, name=f"jaxllm-place-{i}") for i in range(threads)]
+    for t in readers + placers:
+        t.start()
     try:
-        return jax.tree.map(Future.result, _assemble(cfg, submit))
+        for t in readers:
+            t.join()
+    except BaseException as e:  # Ctrl-C: the threads stop after the reads and places under way
+        with moved:
+            failures.append(e)
+            moved.notify_all()
+        raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        for _ in placers:
+            ready.put(None)
+    for t in placers:
+        t.join()
+    if failures:
+        raise failures[0]
+    return placed

@@ -38,8 +38,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.cache import KVCache
 from jaxllm.config import ModelConfig
-from jaxllm.params import Params, _Axes, abstract_params, from_hf_tensors, init_params, layer_specs, \
-    logical_axes, top_specs
+from jaxllm.params import Params, TensorSource, _Axes, abstract_params, from_hf_tensors, init_params, \
+    layer_specs, logical_axes, top_specs
 
 TP = "tp"
 DATA = "data"
@@ -262,10 +262,11 @@ def per_device_bytes(params: Params) -> int:
     return max(total.values())
 
 
-def from_hf_sharded(cfg: ModelConfig, get, shapes, dtype, mesh: Mesh, *, expert_parallel: bool = False,
-                    progress=None, threads: int = 1) -> Params:
-    """Convert HF-named tensors straight into shards: each parameter is converted on the host
-    (`threads` at a time), and each device receives only its slice, cast to `dtype` per slice."""
+def from_hf_sharded(cfg: ModelConfig, source: TensorSource, dtype, mesh: Mesh, *, expert_parallel: bool = False,
+                    progress=None, threads: int = 1, buffer_bytes: int = 1 << 32) -> Params:
+    """Convert HF-named tensors straight into shards: each parameter is made on the host (as
+    `from_hf_tensors` makes it, `threads` at a time), and each device receives only its slice,
+    cast to `dtype` per slice."""
     layout, tp = plan(cfg, mesh, expert_parallel)
     axes = _axes_by_path(layout)
     np_dtype = jnp.dtype(dtype)
@@ -275,6 +276,6 @@ def from_hf_sharded(cfg: ModelConfig, get, shapes, dtype, mesh: Mesh, *, expert_
         sharding = NamedSharding(mesh, _spec(tp, axes[path]))
         return jax.make_array_from_callback(x.shape, sharding,
                                             lambda index: np.ascontiguousarray(x[index], np_dtype))
-    params = from_hf_tensors(cfg, get, shapes, dtype=dtype, place=place, progress=progress,
-                             threads=threads)
+    params = from_hf_tensors(cfg, source, dtype=dtype, place=place, progress=progress,
+                             threads=threads, buffer_bytes=buffer_bytes)
     return params.replace(config=layout, tp=tp)

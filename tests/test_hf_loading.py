@@ -81,30 +81,64 @@ def test_loading_threads_give_the_same_params(tmp_path, monkeypatch, llama):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_failed_read_on_a_loading_thread_is_raised(llama):
+class _Failing(hf.ArraySource):
+    """The checkpoint's tensors, one of which cannot be read."""
+
+    def __init__(self, reader, bad: str):
+        super().__init__({name: reader.get(name) for name in reader.shapes})
+        self.bad = bad
+
+    def read_into(self, name, view):
+        if name == self.bad:
+            raise ValueError(f"{name} could not be read")
+        super().read_into(name, view)
+
+
+def test_a_failed_read_on_a_loading_thread_is_raised_and_the_threads_end(llama):
     cfg, reader = hf.read_checkpoint(llama.path)
     with reader:
-        def failing(name):
-            if name == "model.layers.1.mlp.up_proj.weight":
-                raise ValueError(f"{name} could not be read")
-            return reader.get(name)
-        with pytest.raises(ValueError, match="up_proj.weight could not be read"):
-            from_hf_tensors(cfg, failing, reader.shapes, threads=4)
+        failing = _Failing(reader, "model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match="up_proj.weight could not be read"):
+        from_hf_tensors(cfg, failing, threads=4)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxllm-")]
 
 
-def test_reading_ahead_changes_no_value_and_ends_with_the_reader(tmp_path, monkeypatch, llama):
-    llama.hf.save_pretrained(tmp_path, max_shard_size="40KB")
-    monkeypatch.setattr(loader, "READ_AHEAD_BYTES", 0)
-    plain = jaxllm.load(tmp_path, dtype="float32")
-    monkeypatch.setattr(loader, "READ_AHEAD_BYTES", 1)  # under any tensor: it waits on every read
-    ahead = jaxllm.load(tmp_path, dtype="float32")
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(ahead), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # A reader closed before any read stops its thread rather than leaving it waiting.
-    cfg, reader = hf.read_checkpoint(tmp_path)
+def test_host_memory_read_ahead_of_the_device_stays_within_the_buffer(llama):
+    """Readers wait while `buffer_bytes` are read and not yet placed; one parameter larger than
+    the buffer still goes when nothing else is held."""
+    cfg, reader = hf.read_checkpoint(llama.path)
+    lock, held, most, largest = threading.Lock(), [0], [0], [0]
+
+    class Counting(hf.ArraySource):
+        def read_into(self, name, view):
+            super().read_into(name, view)
+            with lock:
+                held[0] += view.nbytes
+                most[0] = max(most[0], held[0])
+
+    def place(path, x):
+        with lock:
+            held[0] -= x.nbytes
+            largest[0] = max(largest[0], x.nbytes)
+        return jax.numpy.asarray(x)
     with reader:
-        reader.read_ahead(loader.hf_order(cfg), 1)
-        thread = reader._ahead
-        assert thread.is_alive()
-    assert not thread.is_alive()
-    assert not any(t.name == "jaxllm-read-ahead" for t in threading.enumerate())
+        source = Counting({name: reader.get(name) for name in reader.shapes})
+    buffer = 3000  # bytes: under the largest parameter of the tiny llama
+    params = from_hf_tensors(cfg, source, place=place, threads=8, buffer_bytes=buffer)
+    assert held[0] == 0 and largest[0] > buffer
+    assert most[0] <= max(buffer, largest[0])
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(llama.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reading_into_a_slice_reads_the_tensor_in_c_order(tmp_path):
+    from safetensors.numpy import save_file
+    t = np.arange(2 * 3 * 4, dtype=np.float32).reshape(6, 4)
+    save_file({"t": t}, str(tmp_path / "model.safetensors"))
+    with hf.SafetensorsReader([tmp_path / "model.safetensors"]) as reader:
+        out = np.zeros((2, 5, 4), np.float32)
+        reader.read_into("t", out[:, 1:4])  # three rows of each of two blocks: two runs
+        np.testing.assert_array_equal(out[:, 1:4], t.reshape(2, 3, 4))
+        assert not out[:, 0].any() and not out[:, 4].any()
+        with pytest.raises(ValueError, match="holds 96 bytes"):
+            reader.read_into("t", out[:, :2])
