@@ -29,9 +29,10 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   peak_bytes_in_use, bytes_in_use, bytes_limit, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
-With --model, each line (and the one line of --load-only) also has load_s, checkpoint_bytes,
-load_gb_per_s (the files' bytes over load_s) and cold; with --cold, disk_read_gb_per_s (one plain
-sequential read of the same files, dropped from the page cache before it and again after).
+With --model, each line (and the one line of --load-only, which names dtype and quant as well)
+also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s) and cold; with
+--cold, disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
+cache before it and again after).
 With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices' together, so the
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
@@ -509,8 +510,9 @@ def main(argv=None) -> int:
                  jaxlib_version=jaxlib.__version__, git=_git_version(), source=_source_hash(), tp=args.tp,
                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAXLLM_", "XLA_FLAGS"))},
                  compile_cache=jax.config.jax_compilation_cache_dir, **loading)
-    if args.load_only:
-        print(json.dumps(_finite(label), allow_nan=False, default=str), flush=True)
+    if args.load_only:  # what was loaded, as a run's line names it
+        line = dict(label, dtype=str(dtype), quant=args.quant)
+        print(json.dumps(_finite(line), allow_nan=False, default=str), flush=True)
         return 0
 
     # Each run is a new shape on purpose: jaxllm's warning about recompiling is noise here.

@@ -149,6 +149,7 @@ def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     assert loaded["cold"] is True and loaded["checkpoint_bytes"] == written["checkpoint_bytes"]
     assert loaded["load_gb_per_s"] == pytest.approx(loaded["checkpoint_bytes"] / loaded["load_s"] / 1e9)
     assert loaded["disk_read_gb_per_s"] > 0
+    assert loaded["dtype"] == "bfloat16" and loaded["quant"] == "none"  # what was loaded
 
     # A decode run from the checkpoint carries the load's figures beside the documented keys.
     proc = _bench("--model", str(checkpoint), "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1")
