@@ -78,7 +78,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
 # LOAD_BUFFER_BYTES of host memory read but not yet placed (at most half the memory available):
 # room for the disk to go on reading while the GPU backend starts. The 8B shape cold on H200
 # machines: the first parameter reached the GPU 3.6-5.5 s into a fresh process, at a disk's
-# 1.8-2.1 GB/s; a first version with 4 GB loaded in 10.6-12.5 s, with 8 GB 10.3-10.9.
+# 1.8-2.1 GB/s; a first version loaded in 10.85 and 12.54 s with 4 GB, 10.31 and 10.86 with 8.
 LOAD_THREADS = int(os.environ.get("JAXLLM_LOAD_THREADS", "8"))
 LOAD_BUFFER_BYTES = int(float(os.environ.get("JAXLLM_LOAD_BUFFER_MB", "8192")) * 2**20)
 
