@@ -262,8 +262,9 @@ def per_device_bytes(params: Params) -> int:
     return max(total.values())
 
 
-def from_hf_sharded(cfg: ModelConfig, source: TensorSource, dtype, mesh: Mesh, *, expert_parallel: bool = False,
-                    progress=None, threads: int = 1, buffer_bytes: int = 1 << 32) -> Params:
+def from_hf_sharded(cfg: ModelConfig, source: TensorSource, dtype, mesh: Mesh, *,
+                    expert_parallel: bool = False, progress=None, threads: int = 1,
+                    buffer_bytes: int = 1 << 32) -> Params:
     """Convert HF-named tensors straight into shards: each parameter is made on the host (as
     `from_hf_tensors` makes it, `threads` at a time), and each device receives only its slice,
     cast to `dtype` per slice."""

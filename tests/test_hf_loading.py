@@ -102,6 +102,15 @@ def test_a_failed_read_on_a_loading_thread_is_raised_and_the_threads_end(llama):
         from_hf_tensors(cfg, failing, threads=4)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxllm-")]
 
+    def place(path, x):  # a device that refuses one parameter
+        if path == "layers.0.wo":
+            raise RuntimeError("RESOURCE_EXHAUSTED placing layers.0.wo")
+        return jax.numpy.asarray(x)
+    failing.bad = None
+    with pytest.raises(RuntimeError, match="placing layers.0.wo"):
+        from_hf_tensors(cfg, failing, place=place, threads=4)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxllm-")]
+
 
 def test_host_memory_read_ahead_of_the_device_stays_within_the_buffer(llama):
     """Readers wait while `buffer_bytes` are read and not yet placed; one parameter larger than
