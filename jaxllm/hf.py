@@ -161,9 +161,6 @@ class ArraySource:
     def position(self, name: str) -> tuple[int, int]:
         return 0, self._numbers[name]
 
-    def get(self, name: str) -> np.ndarray:
-        return self.tensors[name]
-
     def read_into(self, name: str, view: np.ndarray):
         np.copyto(view, self.tensors[name].reshape(view.shape))
 
