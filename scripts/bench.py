@@ -453,11 +453,11 @@ def main(argv=None) -> int:
     peaks.setdefault("copy_tbps", args.copy_tbps)
     peaks.setdefault("matmul_tflops", args.matmul_tflops)
 
+    from jaxllm import presets
+    if (args.write_checkpoint or not args.model) and args.preset not in presets.PRESETS:
+        log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
+        return 2
     if args.write_checkpoint:
-        from jaxllm import presets
-        if args.preset not in presets.PRESETS:
-            log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
-            return 2
         print(json.dumps(write_checkpoint(args)), flush=True)
         return 0
 
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
     import jaxlib
 
     import jaxllm
-    from jaxllm import layers, presets, quant
+    from jaxllm import layers, quant
 
     dtype = jax.numpy.dtype(args.dtype)
     mesh = None
@@ -487,9 +487,6 @@ def main(argv=None) -> int:
         loading["load_gb_per_s"] = loading["checkpoint_bytes"] / loading["load_s"] / 1e9
         loading["cold"] = args.cold
     else:
-        if args.preset not in presets.PRESETS:
-            log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
-            return 2
         cfg = presets.PRESETS[args.preset]
         if cfg.num_experts and not hasattr(layers, "moe"):
             log(f"bench: {args.preset} is a mixture of experts, which is not implemented yet in jaxllm")
