@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import jaxllm
+from jaxllm import sampling
 from jaxllm.sampling import apply_repetition_penalty
 
 V = 64
@@ -129,6 +130,24 @@ def test_temperature_sampling_follows_softmax():
 def test_greedy_is_argmax():
     logits = np.random.default_rng(1).normal(0, 1, (16, V)).astype(np.float32)
     np.testing.assert_array_equal(jaxllm.sample(jnp.asarray(logits), jax.random.key(0)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [151936, 49152, 1000, 37])  # 128 blocks, 128, 8, none
+def test_greedy_argmax_in_blocks_is_the_first_largest(vocab):
+    """`sampling.argmax` (ARGMAX_BLOCKS blocks, then the blocks) picks what numpy's argmax picks:
+    the first of equal maxima, and the first NaN where there is one."""
+    rng = np.random.default_rng(vocab)
+    cases = [rng.normal(0, 1, (3, vocab)), np.round(rng.normal(0, 1, (3, vocab)))]  # many ties
+    nan = rng.normal(0, 1, (3, vocab))
+    nan[1, rng.integers(vocab)] = np.nan
+    nan[2, rng.integers(vocab, size=3)] = np.nan
+    flat = np.zeros((3, vocab))
+    flat[0, 5::7] = -0.0
+    flat[1, -1], flat[2] = np.inf, -np.inf
+    for logits in (*cases, nan, flat):
+        logits = logits.astype(np.float32)
+        for pick in (sampling.argmax, jax.jit(sampling.argmax)):  # op by op, and fused
+            np.testing.assert_array_equal(pick(jnp.asarray(logits)), logits.argmax(-1))
 
 
 def test_same_key_same_tokens_other_key_other_tokens():
