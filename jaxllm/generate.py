@@ -20,7 +20,7 @@ import numpy as np
 from jaxllm import layers as L
 from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
-from jaxllm.model import check_kv_int8, check_tokens, jitted_step, step
+from jaxllm.model import check_kv_int8, check_tokens, jitted_step, rotation_table, step
 from jaxllm.params import Params
 from jaxllm.quant import is_quantized
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
@@ -147,9 +147,12 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, key, max_new, stop_ids
     # ran 10 such kernels after the lm_head, now 6 (traces). With the loop graph above, same run:
     # SmolLM2 0.5008 against 0.5231 ms a step, Qwen3-0.6B 0.7338 against 0.7449, Llama-3.2-1B
     # 0.8316 against 0.8404.
+    # The decode kernel's cos and sin by position, once (sharded steps make theirs per step)
+    rotation = rotation_table(cfg, cache_length) if params.tp is None else None
+
     def body(carry):
         i, token_B, cache, out_BN, done_B, seen = carry
-        logits_BV, cache = step(params, token_B[:, None], cache)
+        logits_BV, cache = step(params, token_B[:, None], cache, rotation=rotation)
         new_B = _choose(logits_BV, seen, key, i, values, flags)
         out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (jnp.int32(0), i))
         if use_penalty:

@@ -284,7 +284,7 @@ class DigitRow:
 
 
 @functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out"))
-def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_B2R, *,
+def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_P2R, *,
                      window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
                      interpret: bool = False, split_out: bool = False):
     """One new token per row, in one kernel: rotate its q and k, write k and v at slot `cursor`,
@@ -292,8 +292,9 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_B2R, *,
 
     qkv [B, K, G+2, H] is the projection's output per KV head (G queries, then k, then v), before
     the optional per-head RMSNorm (Qwen3's q_norm/k_norm, [H]) and the rotation, whose cos and sin
-    (float32, any attention factor included) are the new token's, stacked [B, 2, H/2]: one XLA
-    kernel makes both, where two made them as separate operands. The caches [B, K, S, H]
+    (float32, any attention factor included) the kernel takes from a table by position,
+    [positions, 2, H/2] (`model.rotation_table`; row b's new token sits at position
+    cursor - start_b), which `generate` makes once before its loop. The caches [B, K, S, H]
     are updated in place (their buffers aliased to the outputs). Returns (out [B, K, G, H], k, v);
     with `split_out`, out is a `SplitHeads` when the cache took more than one split.
     Scores, softmax and the weighted sum run in float32. Jitted, so the layers of a model share
@@ -319,10 +320,12 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_B2R, *,
     row = lambda *block_shape: pl.BlockSpec(block_shape, lambda b, k, s: (b,) + (0,) * (len(block_shape) - 1))
     head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
     vector = pl.BlockSpec((H,), lambda b, k, s: (0,))
-    in_specs = [pl.BlockSpec((1,), lambda b, k, s: (0,)), row(1), row(1, 2, R),
+    rotation_P2R = rotation_P2R.reshape(rotation_P2R.shape[0], 2 * R)  # a row per position
+    in_specs = [pl.BlockSpec((1,), lambda b, k, s: (0,)), row(1),
+                pl.BlockSpec(rotation_P2R.shape, lambda b, k, s: (0, 0)),
                 head(J, H), head(S, H), head(S, H)] + [vector, vector] * qk_norm
     args = [jnp.reshape(cursor, (1,)).astype(jnp.int32), start_B.astype(jnp.int32),
-            rotation_B2R.astype(jnp.float32), qkv_BKJH, k_BKSH, v_BKSH]
+            rotation_P2R.astype(jnp.float32), qkv_BKJH, k_BKSH, v_BKSH]
     args += [q_norm_H, k_norm_H] * qk_norm
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, K, G, H), qkv_BKJH.dtype)]
@@ -377,7 +380,8 @@ def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref
     if trigger:
         cursor = _launch_dependents(cursor)
     lo = start if window is None else jnp.maximum(start, cursor + 1 - window)
-    cos, sin = rotation_ref[0, pl.ds(0, 1), :], rotation_ref[0, pl.ds(1, 1), :]
+    at = jnp.maximum(cursor - start, 0)  # the new token's position (left padding clamped to 0)
+    cos, sin = rotation_ref[pl.ds(at, 1), pl.ds(0, R)], rotation_ref[pl.ds(at, 1), pl.ds(R, R)]
     is_query = jnp.arange(P) < G
 
     def rotated(x1, x2, norm_ref):  # float32 [rows, R] halves, normed (Qwen3) and rotated

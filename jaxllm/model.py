@@ -32,8 +32,8 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
-    `fused` marks a decode step taking the Pallas kernel: (start_B, rotation_B2R (the new token's
-    cos and sin), interpret, split_out); with split_out the heads may come back as a
+    `fused` marks a decode step taking the Pallas kernel: (start_B, rotation_P2R (cos and sin by
+    position, `rotation_table`), interpret, split_out); with split_out the heads may come back as a
     `kernels.SplitHeads` for `_project`.
 
     Inside shard_map, K is the device's KV heads.
@@ -41,9 +41,9 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     G = cfg.q_per_kv
     B, T, K, _, H = qkv_BTKJH.shape
     if fused is not None:  # rotation, cache writes and attention in one kernel
-        start_B, rotation_B2R, interpret, split_out = fused
+        start_B, rotation_P2R, interpret, split_out = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
-            qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, rotation_B2R, window=window,
+            qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
             split_out=split_out)
         if isinstance(out_BKGH, kernels.SplitHeads):
@@ -106,7 +106,26 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
     return jax.lax.psum(out_BTD, axis) if partial_sum else out_BTD
 
 
-def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
+# A decode step's attention kernel takes the new tokens' cos and sin from a table of every
+# position, which `generate` makes once before its loop: a step made its rows' own in an XLA
+# kernel of its own (1.4 us of a Qwen3-0.6B step, H200 trace). With greedy's argmax in blocks
+# (`sampling.argmax`), on an H200 (bench, batch 1, prompt 128 + 256 new, same runs, five rounds
+# over two runs) Qwen3-0.6B took 0.6512-0.6604 ms a step against 0.6625-0.6870 (1514-1536 tok/s
+# against 1456-1510; each change alone 0.6560-0.6645); within the noise SmolLM2 (0.3799-0.3970
+# against 0.3870-0.3932), Llama-3.2-1B (0.8096 against 0.8102), the 8B shape (3.9111 against
+# 3.9288, at batch 32 4.7174 against 4.7133; one round each).
+# The step's tail in a trace (Qwen3-0.6B, host loop): 11.4 us of kernels after the lm_head
+# against 13.6. A step outside `generate` (`decode_step`) makes the table itself.
+def rotation_table(config: ModelConfig, length: int):
+    """cos and sin of every position below `length` (float32 [length, 2, R], the attention factor
+    included), as `kernels.decode_attention` takes them."""
+    inv_freq, rope_scale = rope_frequencies(config)
+    angles_SR = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)
+    return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
+
+
+def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
+            rotation=None):
     """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, normed_BTD, new
     cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
     `kernels.DigitRow` for an int8 lm_head that takes them), else None.
@@ -116,6 +135,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     themselves: each row is rotated left by its padding, so its prompt starts at index 0 and
     plain causal attention (a fused kernel on GPUs) needs no padding mask; the keys and values go
     into the cache, and the hidden states come out, rotated back to the left-padded layout.
+    `rotation`: `rotation_table(cfg, cache.length)`, made by a caller that runs many steps (else
+    a decode step through the attention kernel makes it).
     """
     cfg = params.config
     B, T = tokens_BT.shape
@@ -145,10 +166,10 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         # the 8B shape on two H200s, 3.20-3.22 ms a step against 3.63 with XLA's attention.
         mode = T == 1 and kernels.decode_attention_mode(
             params.dtype, cfg.head_dim, 2 * inv_freq.shape[0], cache.k_scale is not None, cache.length)
-        if mode:  # the new token's rotation, once for all layers' kernels
-            angles_BR = positions_BT.astype(jnp.float32) * inv_freq
-            rotation_B2R = jnp.stack([jnp.cos(angles_BR), jnp.sin(angles_BR)], axis=1) * rope_scale
-            fused_args = (cache.start, rotation_B2R)
+        if mode:  # every position's rotation, unless the caller made the table before its loop
+            if rotation is None:
+                rotation = rotation_table(cfg, cache.length)
+            fused_args = (cache.start, rotation)
             fused_static = (mode == "interpret", proj is not None)  # o's kernel may combine splits
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
@@ -399,16 +420,18 @@ def _forward(params: Params, tokens_BT):
     return _forward_local(params, tokens_BT, cache)[0]
 
 
-def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False):
-    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh)
+def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
+                rotation=None):
+    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh, rotation)
     proj = _project_mode(params, *tokens_BT.shape, axis)
     if normed_BTD is not None and not isinstance(normed_BTD, kernels.DigitRow):  # one row if digits
         normed_BTD = normed_BTD[:, -1:]
     return logits(params, x_BTD[:, -1:], proj, normed_BTD)[:, 0], cache
 
 
-def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False):
+def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotation=None):
     """Pure step: write T tokens at the cursor, return (last-position logits [B, V], cache).
+    `rotation`: `rotation_table(params.config, cache.length)`, for a loop that makes it once.
 
     Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary, and with
     `fresh` (static) that the cache is empty (cursor 0): a prompt's prefill, which then attends
@@ -419,7 +442,7 @@ def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False):
         if params.tp is not None:
             return sharding.shard_call(partial(_step_local, fresh=fresh), params, tokens_BT, cache,
                                        logits_ndim=2)
-        return _step_local(params, tokens_BT, cache, fresh=fresh)
+        return _step_local(params, tokens_BT, cache, fresh=fresh, rotation=rotation)
 
 
 def _donate_cache() -> tuple[int, ...]:

@@ -155,7 +155,7 @@ def decode_attention():
         norms = [1 + 0.1 * jax.random.normal(k, (H,), jnp.bfloat16) for k in keys[3:]] if norm else [None, None]
         start = jnp.arange(B, dtype=jnp.int32) * 7 % 50
         inv_freq = jnp.asarray(1.0 / 500000 ** (np.arange(0, H, 2) / H), jnp.float32)
-        angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
+        angles = jnp.arange(S, dtype=jnp.float32)[:, None] * inv_freq  # by position, as generate's
         f32 = lambda xs: [None if x is None else x.astype(jnp.float32) for x in xs]
         want, want_k = jax.jit(reference, static_argnums=6)(
             *f32([qkv, *caches]), jnp.int32(cursor), start, inv_freq, window, *f32(norms))

@@ -12,10 +12,11 @@ from jaxllm import kernels
 from jaxllm.cache import init_cache
 
 
-def spy(monkeypatch, name: str, record=lambda *args: 1) -> list:
-    """Wrap kernels.`name` so each call (each trace, for jitted callers) appends record(*args)."""
-    calls, real = [], getattr(kernels, name)
-    monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
+def spy(monkeypatch, name: str, record=lambda *args: 1, module=kernels) -> list:
+    """Wrap module.`name` (kernels' by default) so each call (each trace, for jitted callers)
+    appends record(*args)."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
     return calls
 
 

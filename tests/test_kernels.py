@@ -6,6 +6,7 @@ epilogues are checked in float32 against the reference functions in `layers`.
 """
 
 import contextlib
+import importlib
 import math
 
 import jax
@@ -41,14 +42,15 @@ def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k
 
 def _attention_inputs(seed, B, K, G, H, S, cursor, qk_norm=False):
     """Random float32 (qkv, k cache, v cache, row starts, q_norm, k_norm, inv_freq, rotation) of
-    a decode step at `cursor`; the norms None unless qk_norm."""
+    a decode step at `cursor`; the norms None unless qk_norm; the rotation's cos and sin by
+    position, for all S (the kernel takes row b's at cursor - start_b)."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
     start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
     q_norm, k_norm = (normal(H), normal(H)) if qk_norm else (None, None)
     inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
-    angles = (cursor - start)[:, None].astype(jnp.float32) * inv_freq
+    angles = jnp.arange(S, dtype=jnp.float32)[:, None] * inv_freq
     rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
     return qkv, k_cache, v_cache, start, q_norm, k_norm, inv_freq, rotation
 
@@ -130,6 +132,21 @@ def test_kernel_refuses_what_it_cannot_run(kernel_mode):
     assert kernels.decode_attention_mode(jnp.float32, 64, 32, False, 384) is None  # partial rotary
     assert kernels.decode_attention_mode(jnp.float32, 96, 96, False, 384) is None  # halves of 48
     assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 100) is None  # 100 % 16
+
+
+def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch, tiny):
+    """Through the attention kernel, generate makes every position's cos and sin once, before its
+    loop (no step makes its own), and a ragged batch's tokens are XLA's."""
+    params = tiny("qwen3").params
+    prompts = [random_tokens(n, seed=n).tolist() for n in (5, 13)]
+    run = lambda: np.asarray(jaxllm.generate(params, prompts, max_new_tokens=12,
+                                             eos_token_ids=[]).tokens)
+    want = run()
+    looped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=importlib.import_module("jaxllm.generate"))
+    stepped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=jaxllm.model)
+    with _interpreted_within("DECODE_ATTENTION"):
+        np.testing.assert_array_equal(run(), want)
+    assert looped == [32] and stepped == []  # the cache's 32 slots: 16 of prompt, 12 new, padded
 
 
 @pytest.fixture
