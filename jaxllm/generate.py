@@ -252,6 +252,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \
         jnp.zeros((1, 1), bool)
     run = jitted_step()
+    rotation = rotation_table(params.config, cache_length) if params.tp is None else None
     compiled = compile_count(run)
     logits_BV, cache = run(params, tokens_dev, cache, fresh=True)
     check_recompile(run, compiled, "stream", group=(params.config, params.dtype),
@@ -264,4 +265,4 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
             return
         if flags[4]:
             seen = seen.at[0, token].set(True)
-        logits_BV, cache = run(params, token_B[:, None], cache)
+        logits_BV, cache = run(params, token_B[:, None], cache, rotation=rotation)

@@ -509,10 +509,13 @@ def prefill(params: Params, tokens_BT, cache: KVCache):
     return jitted_step()(params, jnp.asarray(tokens), cache, fresh=fresh)
 
 
-def decode_step(params: Params, tokens_B, cache: KVCache):
-    """Write one token per row at the cursor; returns (logits [B, V], cache). The cache is donated."""
+def decode_step(params: Params, tokens_B, cache: KVCache, rotation=None):
+    """Write one token per row at the cursor; returns (logits [B, V], cache). The cache is donated.
+
+    `rotation`: `rotation_table(params.config, cache.length)`, made once by a loop of steps
+    (unsharded params), which spares each step making it."""
     tokens = check_tokens(params.config, tokens_B)
     if tokens.shape != (cache.batch,):
         raise ValueError(f"decode_step needs [B={cache.batch}] tokens, got shape {tokens.shape}")
     _check_room(cache, 1, params)
-    return jitted_step()(params, jnp.asarray(tokens)[:, None], cache)
+    return jitted_step()(params, jnp.asarray(tokens)[:, None], cache, rotation=rotation)

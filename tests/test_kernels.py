@@ -135,8 +135,8 @@ def test_kernel_refuses_what_it_cannot_run(kernel_mode):
 
 
 def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch, tiny):
-    """Through the attention kernel, generate makes every position's cos and sin once, before its
-    loop (no step makes its own), and a ragged batch's tokens are XLA's."""
+    """Through the attention kernel, generate and stream make every position's cos and sin once,
+    before their loops (no step makes its own), and the tokens are XLA's (a ragged batch's)."""
     params = tiny("qwen3").params
     prompts = [random_tokens(n, seed=n).tolist() for n in (5, 13)]
     run = lambda: np.asarray(jaxllm.generate(params, prompts, max_new_tokens=12,
@@ -146,7 +146,9 @@ def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch
     stepped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=jaxllm.model)
     with _interpreted_within("DECODE_ATTENTION"):
         np.testing.assert_array_equal(run(), want)
-    assert looped == [32] and stepped == []  # the cache's 32 slots: 16 of prompt, 12 new, padded
+        streamed = list(jaxllm.stream(params, prompts[1], max_new_tokens=12, eos_token_ids=[]))
+    assert streamed == want[1].tolist()
+    assert looped == [32, 32] and stepped == []  # the cache's slots: 16 of prompt, 12 new, padded
 
 
 @pytest.fixture
