@@ -167,6 +167,20 @@ def decode_attention():
         check(name, rel(got, want), 1e-2)
         check(name + ", cache k", rel(got_k, want_k), 1e-2)
 
+    # A loop's table made once (generate, stream) against each step's own (decode_step alone).
+    cfg, params, tokens, start = _ragged_batch("qwen3-0.6b", seed=3)
+    step = jax.jit(model.step, static_argnames="fresh")
+    runs = []
+    for rotation in (None, model.rotation_table(cfg, 320)):
+        cache = init_cache(cfg, tokens.shape[0], 320, params.dtype, start)
+        logits, cache = step(params, tokens, cache, fresh=True)
+        steps = []
+        for t in range(4):
+            logits, cache = step(params, tokens[:, t:t + 1], cache, rotation=rotation)
+            steps.append(logits)
+        runs.append(jnp.stack(steps, 1))
+    check("qwen3-0.6b decode, the rotation table made once as each step's", rel(runs[1], runs[0]), 0)
+
     for name in ["qwen3-0.6b", "llama3.2-1b"]:
         outs = _decode_both_ways(*_ragged_batch(name, seed=2), ["DECODE_ATTENTION"])
         check(f"{name} decode via the kernel vs XLA, logits", rel(outs["auto"][0], outs["xla"][0]), 3e-2)
