@@ -115,12 +115,14 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
 # against 0.3870-0.3932), Llama-3.2-1B (0.8096 against 0.8102), the 8B shape (3.9111 against
 # 3.9288, at batch 32 4.7174 against 4.7133; one round each).
 # The step's tail in a trace (Qwen3-0.6B, host loop): 11.4 us of kernels after the lm_head
-# against 13.6. A step outside `generate` (`decode_step`) makes the table itself.
+# against 13.6. `stream` makes the table once per prompt too; a step given none (`decode_step`
+# without one, a sharded step) makes it itself.
 def rotation_table(config: ModelConfig, length: int):
     """cos and sin of every position below `length` (float32 [length, 2, R], the attention factor
     included), as `kernels.decode_attention` takes them."""
     inv_freq, rope_scale = rope_frequencies(config)
-    angles_SR = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)
+    positions_S = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)
+    angles_SR = positions_S[:, None] * jnp.asarray(inv_freq)
     return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
 
 
@@ -431,12 +433,12 @@ def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: boo
 
 def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotation=None):
     """Pure step: write T tokens at the cursor, return (last-position logits [B, V], cache).
-    `rotation`: `rotation_table(params.config, cache.length)`, for a loop that makes it once.
 
     Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary, and with
     `fresh` (static) that the cache is empty (cursor 0): a prompt's prefill, which then attends
     among its own tokens without reading the cache. Sharded params (`params.tp`) run it per
-    device under shard_map; the logits come back split over V.
+    device under shard_map; the logits come back split over V. `rotation`:
+    `rotation_table(params.config, cache.length)`, for a loop that makes it once (unsharded).
     """
     with jax.named_scope("prefill" if tokens_BT.shape[1] > 1 else "decode"):
         if params.tp is not None:

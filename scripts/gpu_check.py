@@ -179,7 +179,8 @@ def decode_attention():
             logits, cache = step(params, tokens[:, t:t + 1], cache, rotation=rotation)
             steps.append(logits)
         runs.append(jnp.stack(steps, 1))
-    check("qwen3-0.6b decode, the rotation table made once as each step's", rel(runs[1], runs[0]), 0)
+    check("qwen3-0.6b decode, the rotation table made once as each step's",
+          rel(runs[1], runs[0]), 0)
 
     for name in ["qwen3-0.6b", "llama3.2-1b"]:
         outs = _decode_both_ways(*_ragged_batch(name, seed=2), ["DECODE_ATTENTION"])

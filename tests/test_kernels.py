@@ -142,7 +142,8 @@ def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch
     run = lambda: np.asarray(jaxllm.generate(params, prompts, max_new_tokens=12,
                                              eos_token_ids=[]).tokens)
     want = run()
-    looped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=importlib.import_module("jaxllm.generate"))
+    loops = importlib.import_module("jaxllm.generate")  # the module; jaxllm.generate is its function
+    looped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=loops)
     stepped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=jaxllm.model)
     with _interpreted_within("DECODE_ATTENTION"):
         np.testing.assert_array_equal(run(), want)
