@@ -233,10 +233,11 @@ def param_bytes(params: Params) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
-def specs_in_order(cfg: ModelConfig) -> list[ParamSpec]:
-    """Every parameter's spec, in the order `_assemble` makes them (a checkpoint's tensors)."""
-    return ([s for i in range(cfg.num_layers) for s in layer_specs(cfg, i).values()]
-            + list(top_specs(cfg).values()))
+def named_specs(cfg: ModelConfig) -> list[tuple[str, ParamSpec]]:
+    """Every parameter's (path, spec), paths as `_assemble` names them ("layers.3.wqkv",
+    "embed"), in the order it makes them (a checkpoint's order of tensors)."""
+    return ([(f"layers.{i}.{n}", s) for i in range(cfg.num_layers) for n, s in layer_specs(cfg, i).items()]
+            + list(top_specs(cfg).items()))
 
 
 class TensorSource(Protocol):
@@ -267,8 +268,7 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
     the device takes what was read (and while its backend starts), with at most `buffer_bytes`
     read but not yet placed. (`place` and `progress` then run on those threads.)
     """
-    jobs: list[tuple[str, ParamSpec]] = []
-    _assemble(cfg, lambda path, s: jobs.append((path, s)))
+    jobs = named_specs(cfg)
     expected = {name: shape for _, s in jobs for name, shape in s.hf}
     # Checkpoints often carry the rotary inv_freq buffer; it is derived from the config instead.
     present = {n for n in source.shapes if not n.endswith("rotary_emb.inv_freq")}

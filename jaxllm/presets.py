@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.params import Params, abstract_params, specs_in_order
+from jaxllm.params import Params, abstract_params, named_specs
 
 # Llama 3.1 / 3.2 RoPE: the "llama3" frequency scaling of an 8192-token original context.
 _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -179,7 +179,7 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
     rng = np.random.default_rng(seed)
     block = (scale * rng.standard_normal((1 << 22) + (1 << 20), np.float32)).astype(dtype)
     shards, shard, size = [], {}, 0
-    for spec in specs_in_order(cfg):
+    for _, spec in named_specs(cfg):
         for name, shape in spec.hf:
             if spec.init == "normal":
                 start = int(rng.integers(1 << 20))

@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxllm.cache import KVCache
 from jaxllm.config import ModelConfig
 from jaxllm.params import Params, TensorSource, _Axes, abstract_params, from_hf_tensors, init_params, \
-    layer_specs, logical_axes, top_specs
+    logical_axes, named_specs
 
 TP = "tp"
 DATA = "data"
@@ -131,9 +131,7 @@ def _spec(tp: TensorParallel, axes: tuple[str | None, ...]) -> P:
 
 def _axes_by_path(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     """Logical axes by the parameter paths of `params._assemble` ("layers.3.wqkv", "embed")."""
-    out = {f"layers.{i}.{n}": s.axes for i in range(cfg.num_layers) for n, s in layer_specs(cfg, i).items()}
-    out.update({n: s.axes for n, s in top_specs(cfg).items()})
-    return out
+    return {path: s.axes for path, s in named_specs(cfg)}
 
 
 def param_specs(cfg: ModelConfig, tp: TensorParallel) -> Params:

@@ -83,11 +83,10 @@ def write_checkpoint(directory: Path, hf: dict, seed: int = 0) -> Path:
     from safetensors.numpy import save_file
 
     from jaxllm.config import ModelConfig
-    from jaxllm.params import layer_specs, top_specs
+    from jaxllm.params import named_specs
 
     cfg = ModelConfig.from_hf(hf)
-    names = {n: shape for i in range(cfg.num_layers) for s in layer_specs(cfg, i).values() for n, shape in s.hf}
-    names.update({n: shape for s in top_specs(cfg).values() for n, shape in s.hf})
+    names = {n: shape for _, s in named_specs(cfg) for n, shape in s.hf}
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in sorted(names.items()):
