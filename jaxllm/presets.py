@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
 from jaxllm.params import Params, abstract_params, named_specs
+from jaxllm.quant import QUANT_MODES, QuantizedWeight, quantize, quantize_leaf
 
 # Llama 3.1 / 3.2 RoPE: the "llama3" frequency scaling of an 8192-token original context.
 _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -119,43 +120,91 @@ def _rows_per_piece(shape) -> int:
     return max(1, PIECE_ELEMENTS // max(1, math.prod(shape[1:])))
 
 
+def _fill_quantized_rows(q, s, key, row, scale, *, dtype):
+    """`_fill_rows` for a quantized matrix: the piece drawn in `dtype`, then its int8 values and
+    scales (one per output channel: s's axes) written at `row`. Each output row has its own scale,
+    so the pieces quantize as the whole matrix would."""
+    piece = _normal(key, scale, shape=(min(q.shape[0], _rows_per_piece(q.shape)),) + q.shape[1:],
+                    dtype=dtype)
+    part = quantize(piece, q.ndim - s.ndim, dtype)
+    return (jax.lax.dynamic_update_slice_in_dim(q, part.q, row, 0),
+            jax.lax.dynamic_update_slice_in_dim(s, part.scale, row, 0))
+
+
 _fill_jit = {}
 
 
-def _filler():
-    # Donating the buffer makes each piece an in-place write; the CPU cannot donate (and warns).
+def _filler(quantized: bool = False):
+    # Donating the buffers makes each piece an in-place write; the CPU cannot donate (and warns).
     backend = jax.default_backend()
-    if backend not in _fill_jit:
-        _fill_jit[backend] = jax.jit(_fill_rows, donate_argnums=() if backend == "cpu" else (0,))
-    return _fill_jit[backend]
+    if (backend, quantized) not in _fill_jit:
+        fn, buffers = (_fill_quantized_rows, (0, 1)) if quantized else (_fill_rows, (0,))
+        _fill_jit[backend, quantized] = jax.jit(
+            fn, donate_argnums=() if backend == "cpu" else buffers,
+            static_argnames=("dtype",) if quantized else ())
+    return _fill_jit[backend, quantized]
 
 
-def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
+def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: float = 0.02,
+                  quant: str = "none") -> Params:
     """Random weights of the config's shapes, made on the default device in bounded pieces.
 
     Vectors (norm weights, output biases) are ones; every other tensor is normal(0, scale), so no
     timing runs on zeros. Unlike `init_params` (which draws each tensor whole in float32), the
     transient memory is at most one piece, so peak-memory readings after it reflect the model.
+    With quant="int8" each matrix that `quant.quantize_params` quantizes is quantized piece by
+    piece as it is drawn: the same params as quantize_params of the float ones, but the device
+    holds one float piece at a time, never a float matrix beside the int8 model.
     """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     dtype = jnp.dtype(dtype)
     key = jax.random.key(seed)
-    leaves, treedef = jax.tree.flatten(abstract_params(cfg, dtype))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, dtype))
     out = []
-    for i, leaf in enumerate(leaves):
-        shape, leaf_key = tuple(leaf.shape), jax.random.fold_in(key, i)
-        if len(shape) == 1:
-            out.append(jnp.ones(shape, dtype))
-            continue
-        rows = _rows_per_piece(shape)
-        if rows >= shape[0]:
-            out.append(_normal(leaf_key, scale, shape=shape, dtype=dtype))
-            continue
-        buf = jnp.zeros(shape, dtype)
-        for piece, row in enumerate(range(0, shape[0], rows)):
-            # The last piece starts early enough to fit (dynamic_update_slice clamps): it overlaps.
-            buf = _filler()(buf, jax.random.fold_in(leaf_key, piece), jnp.int32(row), scale)
-        out.append(buf)
+    tied = cfg.tie_word_embeddings
+    for i, (path, leaf) in enumerate(leaves):
+        name, leaf_key = _dotted(path), jax.random.fold_in(key, i)
+        target = jax.eval_shape(partial(quantize_leaf, name, tied=tied, dtype=dtype), leaf) \
+            if quant == "int8" else leaf
+        if isinstance(target, QuantizedWeight):
+            out.append(_random_quantized(target, leaf_key, scale))
+        else:
+            out.append(_random_tensor(tuple(leaf.shape), dtype, leaf_key, scale))
     return jax.tree.unflatten(treedef, out)
+
+
+def _random_quantized(target: QuantizedWeight, key, scale):
+    """`_random_tensor` of target's float shape, quantized piece by piece into target's shapes:
+    the device holds one float piece at a time, never the float matrix."""
+    shape, dtype = target.q.shape, target.dtype
+    rows = _rows_per_piece(shape)
+    if rows >= shape[0]:
+        return quantize(_normal(key, scale, shape=shape, dtype=dtype), target.q.ndim - target.scale.ndim)
+    q, s = jnp.zeros(shape, target.q.dtype), jnp.zeros(target.scale.shape, target.scale.dtype)
+    for piece, row in enumerate(range(0, shape[0], rows)):
+        q, s = _filler(quantized=True)(q, s, jax.random.fold_in(key, piece), jnp.int32(row), scale,
+                                       dtype=dtype)
+    return target.replace(q=q, scale=s)
+
+
+def _random_tensor(shape, dtype, key, scale):
+    """One tensor of `random_params`: ones for a vector, else normal(0, scale) in pieces."""
+    if len(shape) == 1:
+        return jnp.ones(shape, dtype)
+    rows = _rows_per_piece(shape)
+    if rows >= shape[0]:
+        return _normal(key, scale, shape=shape, dtype=dtype)
+    buf = jnp.zeros(shape, dtype)
+    for piece, row in enumerate(range(0, shape[0], rows)):
+        # The last piece starts early enough to fit (dynamic_update_slice clamps): it overlaps.
+        buf = _filler()(buf, jax.random.fold_in(key, piece), jnp.int32(row), scale)
+    return buf
+
+
+def _dotted(path) -> str:
+    """A pytree key path as `params` names parameters: "layers.3.wqkv", "embed"."""
+    return ".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 # The largest safetensors file `write_checkpoint` writes, as transformers' save_pretrained shards.

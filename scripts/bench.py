@@ -496,10 +496,10 @@ def main(argv=None) -> int:
             from jaxllm.sharding import init_sharded
             params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype,
                                         expert_parallel=args.expert_parallel))
-        else:
-            params = _wait(presets.random_params(cfg, args.seed, dtype))
-        if args.quant == "int8":  # the random float weights quantized (int8 values, per-channel scales)
-            params = _wait(quant.quantize_params(params))
+            if args.quant == "int8":  # quantize_params names what sharded params lack
+                params = _wait(quant.quantize_params(params))
+        else:  # int8: each matrix quantized as it is drawn, so the float model is never held whole
+            params = _wait(presets.random_params(cfg, args.seed, dtype, quant=args.quant))
         log(f"bench: random {args.preset} weights{' in int8' if args.quant == 'int8' else ''} on "
             f"{jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f} s")
     label = dict(preset=args.preset, model=args.model, device=jax.devices()[0].device_kind,

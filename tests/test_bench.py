@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import presets, roofline
+from jaxllm import presets, quant, roofline
 from jaxllm.config import ModelConfig
 from jaxllm.params import abstract_params, param_bytes, param_count
 
@@ -254,6 +255,42 @@ def test_random_params_fill_every_tensor_in_pieces(monkeypatch):
     again = presets.random_params(cfg, seed=3)
     assert np.array_equal(np.asarray(again.embed, np.float32), embed)
 
+
+
+@pytest.mark.parametrize("name,tied", [("tiny", False), ("tiny", True), ("tiny-moe", False)])
+def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypatch):
+    # The same params as quantizing the float ones (the embedding too where it is the lm_head),
+    # but no float matrix is ever whole on the device: bench's int8 peak memory is the int8
+    # model's. Pieces of 1000 elements put every matrix in several.
+    monkeypatch.setattr(presets, "PIECE_ELEMENTS", 1000)
+    cfg = dataclasses.replace(presets.PRESETS[name], tie_word_embeddings=tied)
+    want = quant.quantize_params(presets.random_params(cfg, seed=3))
+    before = {id(a) for a in jax.live_arrays()}
+    float_bytes, filler = [], presets._filler
+
+    def spy(quantized=False):
+        fill = filler(quantized)
+
+        def counted(*args, **kwargs):
+            out = fill(*args, **kwargs)
+            float_bytes.append(sum(a.nbytes for a in jax.live_arrays()
+                                   if id(a) not in before and a.dtype == jnp.bfloat16 and a.ndim > 1))
+            return out
+        return counted if quantized else fill
+    monkeypatch.setattr(presets, "_filler", spy)
+    got = presets.random_params(cfg, seed=3, quant="int8")
+    assert quant.is_quantized(got) and jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    matrices = [w.q.shape for w in jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+                if isinstance(w, quant.QuantizedWeight)]
+    assert len(float_bytes) == sum(-(-s[0] // presets._rows_per_piece(s)) for s in matrices)
+    # At every piece: no float matrix on the device but those the int8 params keep (the untied
+    # embedding, drawn first).
+    kept = sum(a.nbytes for a in jax.tree.leaves(got) if a.dtype == jnp.bfloat16 and a.ndim > 1)
+    assert max(float_bytes) <= kept
+    with pytest.raises(ValueError, match="unknown quantization"):
+        presets.random_params(cfg, quant="int4")
 
 # ---------------------------------------------------------------------------------------------
 # Roofline against a hand count.
