@@ -180,7 +180,8 @@ def _random_quantized(target: QuantizedWeight, key, scale):
     shape, dtype = target.q.shape, target.dtype
     rows = _rows_per_piece(shape)
     if rows >= shape[0]:
-        return quantize(_normal(key, scale, shape=shape, dtype=dtype), target.q.ndim - target.scale.ndim)
+        w = _normal(key, scale, shape=shape, dtype=dtype)
+        return quantize(w, target.q.ndim - target.scale.ndim)
     q, s = jnp.zeros(shape, target.q.dtype), jnp.zeros(target.scale.shape, target.scale.dtype)
     for piece, row in enumerate(range(0, shape[0], rows)):
         q, s = _filler(quantized=True)(q, s, jax.random.fold_in(key, piece), jnp.int32(row), scale,
