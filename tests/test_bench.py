@@ -256,7 +256,6 @@ def test_random_params_fill_every_tensor_in_pieces(monkeypatch):
     assert np.array_equal(np.asarray(again.embed, np.float32), embed)
 
 
-
 @pytest.mark.parametrize("name,tied", [("tiny", False), ("tiny", True), ("tiny-moe", False)])
 def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypatch):
     # The same params as quantizing the float ones (the embedding too where it is the lm_head),
@@ -291,6 +290,7 @@ def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypa
     assert max(float_bytes) <= kept
     with pytest.raises(ValueError, match="unknown quantization"):
         presets.random_params(cfg, quant="int4")
+
 
 # ---------------------------------------------------------------------------------------------
 # Roofline against a hand count.
