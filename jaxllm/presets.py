@@ -109,11 +109,15 @@ def _normal(key, scale, *, shape, dtype):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
+def _piece(shape, key, scale, dtype):
+    """The normal(0, scale) rows of one piece of a tensor of `shape`, float or quantized alike (so
+    both hold the same values)."""
+    return _normal(key, scale, shape=(min(shape[0], _rows_per_piece(shape)),) + shape[1:], dtype=dtype)
+
+
 def _fill_rows(buf, key, row, scale):
     """Write normal(0, scale) rows into buf at `row` (axis 0); rows beyond the end are clamped."""
-    piece = _normal(key, scale, shape=(min(buf.shape[0], _rows_per_piece(buf.shape)),) + buf.shape[1:],
-                    dtype=buf.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(buf, piece, row, 0)
+    return jax.lax.dynamic_update_slice_in_dim(buf, _piece(buf.shape, key, scale, buf.dtype), row, 0)
 
 
 def _rows_per_piece(shape) -> int:
@@ -124,9 +128,7 @@ def _fill_quantized_rows(q, s, key, row, scale, *, dtype):
     """`_fill_rows` for a quantized matrix: the piece drawn in `dtype`, then its int8 values and
     scales (one per output channel: s's axes) written at `row`. Each output row has its own scale,
     so the pieces quantize as the whole matrix would."""
-    piece = _normal(key, scale, shape=(min(q.shape[0], _rows_per_piece(q.shape)),) + q.shape[1:],
-                    dtype=dtype)
-    part = quantize(piece, q.ndim - s.ndim, dtype)
+    part = quantize(_piece(q.shape, key, scale, dtype), q.ndim - s.ndim, dtype)
     return (jax.lax.dynamic_update_slice_in_dim(q, part.q, row, 0),
             jax.lax.dynamic_update_slice_in_dim(s, part.scale, row, 0))
 
