@@ -80,7 +80,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dty
     return int(LIVE_FACTOR * (stream + qkv + attention + ffn)) + logits
 
 
-def _resident_bytes(params: Params, device) -> int:
+def resident_bytes(params: Params, device) -> int:
     """Bytes of the params held on `device` (all of them unless sharded)."""
     if params.tp is None:
         return param_bytes(params)
@@ -100,37 +100,50 @@ def _largest(fits, hi: int) -> int:
     return lo
 
 
-def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> None:
-    """ValueError unless a cache of `length` slots for `batch` rows and a prefill of `tokens`
-    prompt tokens per row into it (empty) fit in the free memory of every device the params live on."""
-    cfg, tp = params.config, params.tp
-    # This process's devices only: a multi-host mesh's others have no statistics here.
-    devices = [d for d in tp.mesh.devices.flat if d.process_index == jax.process_index()] \
+def _devices(params: Params) -> list:
+    """This process's devices that the params live on (a multi-host mesh's others have no
+    statistics here)."""
+    tp = params.tp
+    return [d for d in tp.mesh.devices.flat if d.process_index == jax.process_index()] \
         if tp is not None else [jax.local_devices()[0]]
+
+
+def request_bytes(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> tuple[int, int]:
+    """What a request adds on each device beside the weights: (KV cache bytes, the bound on one
+    step's activations) for a cache of `length` slots for `batch` rows and a prefill of `tokens`
+    prompt tokens per row into it (empty)."""
+    cfg, tp = params.config, params.tp
     heads = tp.size if tp is not None and tp.heads else 1
     split = dict(heads_split=heads, ffn_split=tp.size if tp is not None and tp.ffn else 1,
                  vocab_split=tp.size if tp is not None and tp.vocab else 1)
     data = tp.mesh.shape[tp.batch_axis] if tp is not None and tp.batch_axis else 1
     rows = batch // data  # per device
     dtype = params.dtype
-    flash = uses_cudnn_attention(dtype, cfg.head_dim)
+    kv = cache_bytes(cfg, rows, length, dtype, kv_dtype) // heads
+    return kv, activation_bytes(cfg, rows, min(tokens, length), length, dtype, **split, fresh=True,
+                                flash=uses_cudnn_attention(dtype, cfg.head_dim))
 
-    def need(b: int, s: int) -> tuple[int, int]:
-        kv = cache_bytes(cfg, b, s, dtype, kv_dtype) // heads
-        return kv, activation_bytes(cfg, b, min(tokens, s), s, dtype, **split, fresh=True,
-                                    flash=flash)
 
-    for device in devices:
+def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> None:
+    """ValueError unless a cache of `length` slots for `batch` rows and a prefill of `tokens`
+    prompt tokens per row into it (empty) fit in the free memory of every device the params live on."""
+    tp = params.tp
+    data = tp.mesh.shape[tp.batch_axis] if tp is not None and tp.batch_axis else 1
+
+    def need(b: int, s: int) -> tuple[int, int]:  # b: rows of the whole batch
+        return request_bytes(params, b, tokens, s, kv_dtype)
+
+    for device in _devices(params):
         stats = memory_stats(device)
         if not stats or "bytes_limit" not in stats:
             continue
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        kv, act = need(rows, length)
+        kv, act = need(batch, length)
         if kv + act <= free:
             continue
-        max_rows = _largest(lambda b: sum(need(b, length)) <= free, rows)
-        max_length = _largest(lambda s: sum(need(rows, s)) <= free, length)
-        limit, weights = int(stats["bytes_limit"]), _resident_bytes(params, device)
+        max_rows = _largest(lambda b: sum(need(b * data, length)) <= free, batch // data)
+        max_length = _largest(lambda s: sum(need(batch, s)) <= free, length)
+        limit, weights = int(stats["bytes_limit"]), resident_bytes(params, device)
         longest = (f"{max_length} cache slots (prompt + new tokens) at batch {batch}"
                    if max_length >= tokens else f"no cache that holds the prompt at batch {batch}")
         raise ValueError(

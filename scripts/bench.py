@@ -27,8 +27,10 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_context_mean, weight_bytes_per_step, kv_bytes_per_step, bytes_per_step,
   achieved_tbps, peak_tbps, pct_peak_bw, copy_tbps, pct_copy_bw, matmul_tflops,
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
-  peak_bytes_in_use, bytes_in_use, bytes_limit, error
+  activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
+activation_bytes is `memory.check_fit`'s bound on one step's activations (the prefill's, the
+largest), peak_pct_of_need the peak against weights + KV cache + that bound on one device.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s) and cold; with
 --cold, disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
@@ -280,12 +282,18 @@ def _source_hash() -> str:
     return digest.hexdigest()[:12]
 
 
-def _memory(devices: int = 1) -> dict:
+def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices: int = 1) -> dict:
+    """The allocator's figures of the device using the most, beside what the request needs there."""
     import jax
-    stats = max((d.memory_stats() or {} for d in jax.devices()[:devices]),
-                key=lambda s: s.get("peak_bytes_in_use") or 0)
-    return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
-                bytes_limit=stats.get("bytes_limit"))
+
+    from jaxllm import memory
+    device = max(jax.devices()[:devices], key=lambda d: (d.memory_stats() or {}).get("peak_bytes_in_use") or 0)
+    stats = device.memory_stats() or {}
+    kv, act = memory.request_bytes(params, batch, tokens, cache_len, kv_dtype)
+    need = memory.resident_bytes(params, device) + kv + act
+    peak = stats.get("peak_bytes_in_use")
+    return dict(activation_bytes=act, peak_bytes_in_use=peak, bytes_in_use=stats.get("bytes_in_use"),
+                bytes_limit=stats.get("bytes_limit"), peak_pct_of_need=peak and 100 * peak / need)
 
 
 def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict) -> dict:
@@ -381,7 +389,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         matmul_tflops=peaks.get("matmul_tflops"),
         decode_roofline_ms=dt["time_lb_s"] * 1e3, pct_of_roofline=100 * dt["time_lb_s"] / decode_s,
         roofline_tokens_per_s=dt["tokens_per_s_lb"],
-        **_memory(devices), error=None)
+        **_memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, devices), error=None)
 
     log(roofline.format_table(dec))
     log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "

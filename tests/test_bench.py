@@ -62,7 +62,7 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
                                        * cfg.head_dim * 2)
         for key in ("first_call_s", "compile_s", "generate_s", "prefill_ms", "sample_ms", "ttft_ms",
                     "decode_ms_per_step", "decode_tokens_per_s", "prefill_tflops", "achieved_tbps",
-                    "bytes_per_step", "decode_roofline_ms", "pct_of_roofline"):
+                    "bytes_per_step", "decode_roofline_ms", "pct_of_roofline", "activation_bytes"):
             assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
         assert len(r["generate_s_all"]) == r["repeat"] == 3
         assert r["generate_s"] == pytest.approx(sorted(r["generate_s_all"])[1])
@@ -79,6 +79,7 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
         assert r["decode_context_mean"] == 8 + 16 // 2
         # Without --measure-peaks or memory stats on the CPU, these stay null rather than guessed.
         assert r["copy_tbps"] is None and r["pct_copy_bw"] is None and r["peak_bytes_in_use"] is None
+        assert r["peak_pct_of_need"] is None
     assert "roofline tiny" in stderr and "lm_head" in stderr
 
 
