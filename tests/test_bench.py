@@ -107,6 +107,29 @@ def test_bench_int8_runs_on_quantized_weights():
     assert run["weight_bytes_per_step"] < 0.6 * bf16
 
 
+def test_bench_memory_figures_weigh_the_peak_against_weights_kv_and_activations(monkeypatch):
+    # On a GPU the peak is read from the allocator; here a device with statistics stands in.
+    import importlib.util
+
+    from jaxllm import memory
+    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    params = presets.random_params(presets.PRESETS["tiny"])
+    kv, act = memory.request_bytes(params, 2, 16, 48)
+    assert kv == 2 * 2 * 2 * 2 * 48 * 16 * 2 and act > 0  # K and V, layers, kv heads, rows, slots, dim, bf16
+
+    class Device:
+        platform = "cpu"
+
+        def memory_stats(self):
+            return dict(peak_bytes_in_use=3_000_000, bytes_in_use=2_000_000, bytes_limit=10**9)
+    monkeypatch.setattr(jax, "devices", lambda: [Device()])
+    got = bench._memory(params, 2, 16, 48, None)
+    assert got["activation_bytes"] == act and got["bytes_in_use"] == 2_000_000
+    assert got["peak_pct_of_need"] == pytest.approx(100 * 3_000_000 / (param_bytes(params) + kv + act))
+
+
 @pytest.mark.parametrize("preset, extra", [("tiny", []), ("tiny-moe", ["--expert-parallel"])])
 def test_bench_tensor_parallel_on_two_devices(preset, extra):
     env_flags = "--xla_force_host_platform_device_count=2"
