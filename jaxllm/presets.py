@@ -172,11 +172,17 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: fl
     tied = cfg.tie_word_embeddings
     targets = [jax.eval_shape(partial(quantize_leaf, _dotted(path), tied=tied, dtype=dtype), leaf)
                if quant == "int8" else leaf for path, leaf in leaves]
-    out = [jax.tree.map(lambda x: (jnp.ones if x.ndim == 1 else jnp.zeros)(x.shape, x.dtype), t)
-           for t in targets]
+    out = [_buffer(t) for t in targets]
     for i in range(len(out)):  # each buffer replaced by its filled self, nothing else keeping it
         out[i] = _fill(out[i], jax.random.fold_in(key, i), scale)
     return jax.tree.unflatten(treedef, out)
+
+
+def _buffer(target):
+    """A vector's ones (its value), else zeros of target's shapes for `_fill` to overwrite."""
+    if not isinstance(target, QuantizedWeight) and target.ndim == 1:
+        return jnp.ones(target.shape, target.dtype)
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), target)
 
 
 def _fill(buf, key, scale):
