@@ -287,7 +287,9 @@ def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices: 
     import jax
 
     from jaxllm import memory
-    device = max(jax.devices()[:devices], key=lambda d: (d.memory_stats() or {}).get("peak_bytes_in_use") or 0)
+    def peak(d):
+        return (d.memory_stats() or {}).get("peak_bytes_in_use") or 0
+    device = max(jax.devices()[:devices], key=peak)
     stats = device.memory_stats() or {}
     kv, act = memory.request_bytes(params, batch, tokens, cache_len, kv_dtype)
     need = memory.resident_bytes(params, device) + kv + act

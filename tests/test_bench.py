@@ -4,6 +4,7 @@ roofline matches a hand count. No timing is asserted anywhere here."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import presets, quant, roofline
+from jaxllm import memory, presets, quant, roofline
 from jaxllm.config import ModelConfig
 from jaxllm.params import abstract_params, param_bytes, param_count
 
@@ -109,15 +110,13 @@ def test_bench_int8_runs_on_quantized_weights():
 
 def test_bench_memory_figures_weigh_the_peak_against_weights_kv_and_activations(monkeypatch):
     # On a GPU the peak is read from the allocator; here a device with statistics stands in.
-    import importlib.util
-
-    from jaxllm import memory
     spec = importlib.util.spec_from_file_location("bench_script", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     params = presets.random_params(presets.PRESETS["tiny"])
     kv, act = memory.request_bytes(params, 2, 16, 48)
-    assert kv == 2 * 2 * 2 * 2 * 48 * 16 * 2 and act > 0  # K and V, layers, kv heads, rows, slots, dim, bf16
+    # K and V, layers, KV heads, rows, slots, head dim, bf16
+    assert kv == 2 * 2 * 2 * 2 * 48 * 16 * 2 and act > 0
 
     class Device:
         platform = "cpu"
