@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import layers as L
+from jaxllm import memory
 from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
 from jaxllm.model import check_kv_int8, check_tokens, jitted_step, rotation_table, step
@@ -189,13 +190,24 @@ def _core(rows: int = 0, params: Params | None = None):
     return _cores[graph, cublas]
 
 
+# `memory.program_bytes` of generate's compiled loop by what decides it (the loop, the params'
+# tree, shapes and dtypes, the plan's shapes, the static arguments). A warm call pays that key
+# (61 us for SmolLM2's params on a CPU), not a trace and lowering found in the jit's caches (1.7
+# ms) nor a second set of the loop's argument arrays: keyed by those, the check made a warm 8B
+# int8 generate 2.8 ms slower on an H200 (645.4 against 642.6 ms unchecked), now 0.3 ms or less.
+_ALLOCATED: dict = {}
+
+
 def _is_stop(token, stop_ids):
     """Whether each token is one of stop_ids [n] (padded with -1): n compares, so the test fuses
     with the ops around it where `jnp.isin`'s reduction is a kernel of its own."""
     return reduce(operator.or_, [token == stop_ids[j] for j in range(stop_ids.shape[0])])
 
 
-def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None):
+def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None,
+          allocated=None):
+    """(tokens, start, steps, cache length) of a request, checked: `allocated(*plan)`, if given,
+    is XLA's count of what the program that will run it allocates (see `check_fit`)."""
     cfg = params.config
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
@@ -207,9 +219,10 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv
             f"over the model's context of {cfg.max_position_embeddings} tokens")
     steps = bucket(max_new_tokens)
     check_kv_int8(params, is_int8(kv_dtype))
-    check_fit(params, tokens.shape[0], tokens.shape[1], tokens.shape[1] + steps,
-              kv_dtype)  # before allocating
-    return tokens, start, steps, tokens.shape[1] + steps
+    plan = tokens, start, steps, tokens.shape[1] + steps
+    check_fit(params, tokens.shape[0], tokens.shape[1], tokens.shape[1] + steps, kv_dtype,
+              allocated=allocated and (lambda: allocated(*plan)))  # before allocating
+    return plan
 
 
 def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -220,14 +233,31 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales (default: the model dtype).
     """
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    tokens, start, steps, cache_length = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
     stops = params.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+
+    def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
+        return (params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed),
+                jnp.int32(max_new_tokens), _stop_array(stops), sampling.values()), dict(
+                    cache_length=cache_length, steps=steps, flags=sampling.static(),
+                    kv_int8=is_int8(kv_dtype))
+
+    def allocated(*plan):  # compiled once: the call below finds it in the jit's cache
+        tokens, _, steps, cache_length = plan
+        core = _core(tokens.shape[0], params)
+        leaves, tree = jax.tree.flatten(params)
+        key = (core, tree, tuple((x.shape, x.dtype) for x in leaves), tokens.shape, len(stops),
+               cache_length, steps, sampling.static(), is_int8(kv_dtype))
+        if key not in _ALLOCATED:
+            args, static = call(*plan)
+            _ALLOCATED[key] = memory.program_bytes(core.trace(*args, **static).lower().compile())
+        return _ALLOCATED[key]
+
+    plan = _plan(params, ids, max_new_tokens, sampling, kv_dtype, allocated)
+    tokens, _, steps, cache_length = plan
     core = _core(tokens.shape[0], params)
+    args, static = call(*plan)
     compiled = compile_count(core)  # to warn when a new shape compiles again
-    out, lengths = core(
-        params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed), jnp.int32(max_new_tokens),
-        _stop_array(stops), sampling.values(), cache_length=cache_length, steps=steps,
-        flags=sampling.static(), kv_int8=is_int8(kv_dtype))
+    out, lengths = core(*args, **static)
     check_recompile(core, compiled, "generate", group=(params.config, params.dtype),
                     describe=lambda: shape_text(*tokens.shape, cache_length, steps, sampling))
     return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)

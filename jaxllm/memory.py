@@ -3,7 +3,8 @@
 The weights are on the device already (inside the allocator's `bytes_in_use`); a request adds
 its KV cache (`cache_bytes`, exact) and what one step holds besides weights and cache (a bound,
 `activation_bytes`). Those must fit in what the allocator has left, `bytes_limit - bytes_in_use`
-of `Device.memory_stats()`. Backends without statistics (the CPU) are not checked. A request that
+of `Device.memory_stats()`; where they do, `generate` also checks XLA's own count of what its
+compiled program allocates. Backends without statistics (the CPU) are not checked. A request that
 cannot fit is a ValueError giving both figures and the largest batch, and the longest cache, that
 would; without it, XLA would fail later with an out-of-memory error naming a buffer, or the
 host would swap.
@@ -12,6 +13,7 @@ host would swap.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -124,14 +126,33 @@ def request_bytes(params: Params, batch: int, tokens: int, length: int, kv_dtype
                                 flash=uses_cudnn_attention(dtype, cfg.head_dim))
 
 
-def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> None:
+def program_bytes(compiled) -> int:
+    """What a compiled program allocates on each device as it runs, by XLA's own count: its
+    temporaries (a KV cache it makes among them) and its outputs, less outputs that reuse an
+    argument's buffer."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None,
+              allocated: Callable[[], int] | None = None) -> None:
     """ValueError unless a cache of `length` slots for `batch` rows and a prefill of `tokens`
-    prompt tokens per row into it (empty) fit in the free memory of every device the params live on."""
+    prompt tokens per row into it (empty) fit in the free memory of every device the params live on.
+
+    `allocated`, if given, returns `program_bytes` of the compiled program that will serve the
+    request, its KV cache made inside it. Where the bound says the request fits, that count is
+    checked too, the activations being what it holds beyond the cache. The bound is an estimate:
+    on an H200, 128-token prompts held 1.6-5 times it in float (Qwen3-0.6B, Mixtral-8x7B,
+    Qwen3-30B-A3B) and 3-22 times in int8, whose prefill converts weights to the model dtype
+    (2026-12-01, `.device/probe_temp.py`).
+    """
     tp = params.tp
     data = tp.mesh.shape[tp.batch_axis] if tp is not None and tp.batch_axis else 1
+    exact, scale = None, 1.0
 
     def need(b: int, s: int) -> tuple[int, int]:  # b: rows of the whole batch
-        return request_bytes(params, b, tokens, s, kv_dtype)
+        kv, act = request_bytes(params, b, tokens, s, kv_dtype)
+        return kv, int(act * scale)
 
     for device in _devices(params):
         stats = memory_stats(device)
@@ -139,8 +160,16 @@ def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=Non
             continue
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         kv, act = need(batch, length)
+        bound, counted = "at most ", ""
         if kv + act <= free:
-            continue
+            if allocated is None:
+                continue
+            exact = allocated() if exact is None else exact
+            act_exact = max(0, exact - kv)
+            if kv + act_exact <= free:
+                continue
+            # What fits is searched with the bound scaled to XLA's count at this request.
+            scale, act, bound, counted = act_exact / max(act, 1), act_exact, "", " by XLA's count"
         max_rows = _largest(lambda b: sum(need(b * data, length)) <= free, batch // data)
         max_length = _largest(lambda s: sum(need(batch, s)) <= free, length)
         limit, weights = int(stats["bytes_limit"]), resident_bytes(params, device)
@@ -148,9 +177,10 @@ def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=Non
                    if max_length >= tokens else f"no cache that holds the prompt at batch {batch}")
         raise ValueError(
             f"out of device memory: {batch} row(s) x {length} cache slots need {size_text(kv + act)} "
-            f"on {device} (KV cache {size_text(kv)} + at most {size_text(act)} of activations), but "
-            f"only {size_text(free)} of its {size_text(limit)} are free beside {size_text(weights)} of "
-            f"weights; what fits: batch {max_rows * data} at this length, or {longest}")
+            f"on {device} (KV cache {size_text(kv)} + {bound}{size_text(act)} of activations{counted}), "
+            f"but only {size_text(free)} of its {size_text(limit)} are free beside "
+            f"{size_text(weights)} of weights; what fits: batch {max_rows * data} at this length, "
+            f"or {longest}")
 
 
 def size_text(n: int) -> str:

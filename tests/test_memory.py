@@ -65,6 +65,45 @@ def test_a_request_that_fits_runs(monkeypatch, params):
     assert np.asarray(out.lengths).tolist() == [4, 4]
 
 
+def test_generate_weighs_xla_count_of_its_program_where_the_bound_fits(monkeypatch, params):
+    # The bound is an estimate (int8 and MoE prefills held several times it on an H200): where it
+    # says the request fits, generate compiles its program and checks XLA's own count as well.
+    cfg = params.config
+    B, T, length = 4, 16, 16 + 64
+    kv = cache_bytes(cfg, B, length, jnp.float32)
+    act = memory.activation_bytes(cfg, B, T, length, jnp.float32, fresh=True)
+    fake_free(monkeypatch, kv + act + 1000)
+    monkeypatch.setattr(gen, "_ALLOCATED", {})
+    counted, real = [], memory.program_bytes
+
+    def over_the_bound(compiled):  # XLA's real count of the compiled program, then one the bound misses
+        counted.append(real(compiled))
+        return kv + 2 * act
+    monkeypatch.setattr(memory, "program_bytes", over_the_bound)
+    ids = np.full((B, T), 5, np.int32)
+    with pytest.raises(ValueError, match="out of device memory") as e:
+        jaxllm.generate(params, ids, max_new_tokens=60)
+    assert counted and counted[0] > kv  # the program that would have run, its cache inside
+    msg = str(e.value)
+    assert f"{memory.size_text(2 * act)} of activations by XLA's count" in msg, msg
+    assert memory.size_text(kv + 2 * act) in msg, msg
+    rows = int(re.search(r"batch (\d+) at this length", msg).group(1))
+    assert 0 < rows < B  # the offer scaled to XLA's count: the bound alone fits all B rows
+    # The count is kept per program: asked again, the program is not traced again.
+    with pytest.raises(ValueError, match="by XLA's count"):
+        jaxllm.generate(params, ids, max_new_tokens=60)
+    assert len(counted) == 1
+    # Where XLA's count fits too, it runs; without statistics nothing is compiled for the check.
+    gen._ALLOCATED.clear()
+    monkeypatch.setattr(memory, "program_bytes", lambda compiled: kv + act)
+    out = jaxllm.generate(params, ids, max_new_tokens=60, eos_token_ids=[])
+    assert np.asarray(out.lengths).tolist() == [60] * B
+    gen._ALLOCATED.clear()
+    monkeypatch.setattr(memory, "memory_stats", lambda device: None)
+    monkeypatch.setattr(memory, "program_bytes", lambda compiled: pytest.fail("compiled to check"))
+    jaxllm.generate(params, ids, max_new_tokens=60, eos_token_ids=[])
+
+
 def test_llama3_8b_context_that_cannot_fit_names_what_can():
     """The 8B shape in bf16 on a 141 GB device that holds its 16 GB of weights: the full 128k context
     at batch 8 needs 137 GB of KV cache alone. Shapes only: nothing is allocated."""
