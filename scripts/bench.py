@@ -28,9 +28,12 @@ JSON keys (times in the unit their name says; null when not available on this de
   achieved_tbps, peak_tbps, pct_peak_bw, copy_tbps, pct_copy_bw, matmul_tflops,
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, error
-peak_bytes_in_use is the process's peak so far (JAX cannot reset it): runs are in the order given.
-activation_bytes is `memory.check_fit`'s bound on one step's activations (the prefill's, the
-largest), peak_pct_of_need the peak against weights + KV cache + that bound on one device.
+peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
+read after the timed generate calls, before the prefill is timed on its own. It includes what
+compiling took: XLA's autotuner, when no compilation cache has the program, held 72-258 MB more
+than generate's run (SmolLM2, Qwen3-0.6B). activation_bytes is `memory.check_fit`'s bound on one
+step's activations (the prefill's, the largest), peak_pct_of_need the peak against weights + KV
+cache + that bound on one device.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s) and cold; with
 --cold, disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
@@ -327,11 +330,14 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     if not (lengths == new).all():
         raise RuntimeError(f"generate stopped early (lengths {sorted(set(lengths.tolist()))}, wanted {new})")
     generate_s, generate_all = _median_time(generate, args.repeat)
+    tokens, start, _ = pad_prompts(params, ids)
+    cache_len = tokens.shape[1] + bucket(new)
+    # Memory now: the prefill below, a program of its own, held 1.4-2.7 times what generate's
+    # whole loop did beside the weights (SmolLM2, Qwen3-0.6B; `.device/probe_stage.py`).
+    memory = _memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, label["tp"])
 
     # Prefill alone: one jitted program that, like generate's, allocates a fresh cache of the
     # length generate plans for these prompts and runs `step` over the padded prompt.
-    tokens, start, _ = pad_prompts(params, ids)
-    cache_len = tokens.shape[1] + bucket(new)
     tokens, start = jax.device_put(tokens), jax.device_put(start)
     key = jax.random.key(args.seed)
 
@@ -391,7 +397,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         matmul_tflops=peaks.get("matmul_tflops"),
         decode_roofline_ms=dt["time_lb_s"] * 1e3, pct_of_roofline=100 * dt["time_lb_s"] / decode_s,
         roofline_tokens_per_s=dt["tokens_per_s_lb"],
-        **_memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, devices), error=None)
+        **memory, error=None)
 
     log(roofline.format_table(dec))
     log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "
