@@ -290,9 +290,10 @@ def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices: 
     import jax
 
     from jaxllm import memory
-    def peak(d):
+
+    def peak_of(d):
         return (d.memory_stats() or {}).get("peak_bytes_in_use") or 0
-    device = max(jax.devices()[:devices], key=peak)
+    device = max(jax.devices()[:devices], key=peak_of)
     stats = device.memory_stats() or {}
     kv, act = memory.request_bytes(params, batch, tokens, cache_len, kv_dtype)
     need = memory.resident_bytes(params, device) + kv + act
