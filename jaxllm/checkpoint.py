@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm import sharding
 from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.params import Params, abstract_params, layer_specs, top_specs
+from jaxllm.params import Params, abstract_params, layer_specs, leaf_paths, top_specs
 from jaxllm.quant import QuantizedWeight, is_quantized, quantize_params
 
 CONFIG_FILE = "jaxllm_config.json"
@@ -160,7 +160,7 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
             spec = NamedSharding(mesh, sharding._spec(tp, axes[path]))
         return jax.ShapeDtypeStruct(s.shape, dtype, sharding=spec)
 
-    paths = _paths(stored)
+    paths = leaf_paths(stored)
     target = jax.tree.unflatten(jax.tree.structure(stored),
                                 [target_of(p, s) for p, s in zip(paths, jax.tree.leaves(stored))])
     with ocp.StandardCheckpointer() as ckpt:
@@ -182,15 +182,6 @@ def _restore_quantized(directory: Path, cfg: ModelConfig, dtype) -> Params:
     with ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(directory / "params", _to_tree(target))
     return _from_tree(tree, template)
-
-
-def _paths(params: Params) -> list[str]:
-    """The `params._assemble` path of each leaf, in leaf order ("layers.3.wqkv", "embed")."""
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        parts = [str(getattr(k, "name", getattr(k, "idx", k))) for k in path]
-        out.append(".".join(parts))
-    return out
 
 
 def _relayout(params: Params, cfg: ModelConfig, layout: ModelConfig, tp, mesh2: Mesh | None) -> Params:

@@ -229,6 +229,13 @@ def param_count(params: Params) -> int:
     return sum(int(np.prod(x.shape)) for x in leaves)
 
 
+def leaf_paths(params) -> list[str]:
+    """The `_assemble` path of each leaf of a Params tree, in leaf order ("layers.3.wqkv",
+    "embed")."""
+    return [".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
 def param_bytes(params: Params) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.params import Params, abstract_params, named_specs
+from jaxllm.params import Params, abstract_params, leaf_paths, named_specs
 from jaxllm.quant import QUANT_MODES, QuantizedWeight, quantize, quantize_leaf
 
 # Llama 3.1 / 3.2 RoPE: the "llama3" frequency scaling of an 8192-token original context.
@@ -168,10 +168,11 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: fl
         raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     dtype = jnp.dtype(dtype)
     key = jax.random.key(seed)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, dtype))
+    abstract = abstract_params(cfg, dtype)
+    leaves, treedef = jax.tree.flatten(abstract)
     tied = cfg.tie_word_embeddings
-    targets = [jax.eval_shape(partial(quantize_leaf, _dotted(path), tied=tied, dtype=dtype), leaf)
-               if quant == "int8" else leaf for path, leaf in leaves]
+    targets = [jax.eval_shape(partial(quantize_leaf, path, tied=tied, dtype=dtype), leaf)
+               if quant == "int8" else leaf for path, leaf in zip(leaf_paths(abstract), leaves)]
     out = [_buffer(t) for t in targets]
     for i in range(len(out)):  # each buffer replaced by its filled self, nothing else keeping it
         out[i] = _fill(out[i], jax.random.fold_in(key, i), scale)
@@ -204,11 +205,6 @@ def _fill(buf, key, scale):
         else:
             buf = _filler()(buf, piece_key, jnp.int32(row), scale, rows=rows)
     return buf
-
-
-def _dotted(path) -> str:
-    """A pytree key path as `params` names parameters: "layers.3.wqkv", "embed"."""
-    return ".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 # The largest safetensors file `write_checkpoint` writes, as transformers' save_pretrained shards.
