@@ -37,7 +37,10 @@ cache + that bound on one device.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s) and cold; with
 --cold, disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
-cache before it and again after).
+cache before it and again after), and disk_gb_read_in_plain_read and disk_gb_read_in_load: what
+the machine's disks read (Linux's /sys/block counts, null elsewhere) during that read and during
+the load, the load's including whatever else the process read from them meanwhile (a first GPU
+process's libraries).
 With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices' together, so the
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
@@ -242,6 +245,23 @@ def drop_from_page_cache(files):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def disk_bytes_read() -> int | None:
+    """Bytes the machine's physical disks have read since boot (the sectors-read counts of
+    /sys/block/*/stat, 512 bytes each, for devices backed by hardware: not loop, RAM or mapper
+    devices, whose reads land on a physical disk too); None where there are none to read."""
+    counts = [int((dev / "stat").read_text().split()[2]) * 512
+              for dev in Path("/sys/block").glob("*") if (dev / "device").exists()]
+    return sum(counts) if counts else None
+
+
+def _disk_gb_during(run) -> tuple[object, float | None]:
+    """run()'s result, and the GB the disks read meanwhile (None where that is not known)."""
+    before = disk_bytes_read()
+    result = run()
+    after = disk_bytes_read()
+    return result, None if before is None or after is None else (after - before) / 1e9
 
 
 def read_rate(files, piece: int = 64 << 20) -> float:
@@ -494,12 +514,15 @@ def main(argv=None) -> int:
         files = checkpoint_files(args.model)
         if args.cold:
             drop_from_page_cache(files)
-            loading["disk_read_gb_per_s"] = read_rate(files) / 1e9
+            rate, loading["disk_gb_read_in_plain_read"] = _disk_gb_during(lambda: read_rate(files))
+            loading["disk_read_gb_per_s"] = rate / 1e9
             drop_from_page_cache(files)
         t0 = time.perf_counter()
-        params = _wait(jaxllm.load(args.model, dtype=dtype, quant=args.quant, mesh=mesh,
-                                   expert_parallel=args.expert_parallel))
+        params, disk_gb = _disk_gb_during(lambda: _wait(jaxllm.load(
+            args.model, dtype=dtype, quant=args.quant, mesh=mesh, expert_parallel=args.expert_parallel)))
         loading["load_s"] = time.perf_counter() - t0
+        if args.cold:
+            loading["disk_gb_read_in_load"] = disk_gb
         loading["checkpoint_bytes"] = sum(f.stat().st_size for f in files)
         loading["load_gb_per_s"] = loading["checkpoint_bytes"] / loading["load_s"] / 1e9
         loading["cold"] = args.cold

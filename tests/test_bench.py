@@ -165,7 +165,8 @@ def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     assert written["checkpoint_bytes"] == sum(f.stat().st_size for f in files) > 0
     assert ModelConfig.from_hf(checkpoint) == presets.PRESETS["tiny"]
 
-    load_keys = {"load_s", "checkpoint_bytes", "load_gb_per_s", "cold", "disk_read_gb_per_s"}
+    cold_keys = {"disk_read_gb_per_s", "disk_gb_read_in_plain_read", "disk_gb_read_in_load"}
+    load_keys = {"load_s", "checkpoint_bytes", "load_gb_per_s", "cold"} | cold_keys
     proc = _bench("--model", str(checkpoint), "--cold", "--load-only")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (loaded,) = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -173,13 +174,15 @@ def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     assert loaded["cold"] is True and loaded["checkpoint_bytes"] == written["checkpoint_bytes"]
     assert loaded["load_gb_per_s"] == pytest.approx(loaded["checkpoint_bytes"] / loaded["load_s"] / 1e9)
     assert loaded["disk_read_gb_per_s"] > 0
+    for key in ("disk_gb_read_in_plain_read", "disk_gb_read_in_load"):  # null where no disk is seen
+        assert loaded[key] is None or loaded[key] >= 0
     assert loaded["dtype"] == "bfloat16" and loaded["quant"] == "none"  # what was loaded
 
     # A decode run from the checkpoint carries the load's figures beside the documented keys.
     proc = _bench("--model", str(checkpoint), "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert set(run) == _documented_keys() | load_keys - {"disk_read_gb_per_s"}
+    assert set(run) == _documented_keys() | load_keys - cold_keys
     assert run["error"] is None and run["cold"] is False and run["model"] == str(checkpoint)
     assert run["param_count"] == param_count(abstract_params(presets.PRESETS["tiny"]))
 
