@@ -21,7 +21,7 @@ from jaxllm import layers as L
 from jaxllm import memory
 from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
-from jaxllm.model import check_kv_int8, check_tokens, jitted_step, rotation_table, step
+from jaxllm.model import AUTOTUNE_OPTIONS, check_kv_int8, check_tokens, jitted_step, rotation_table, step
 from jaxllm.params import Params
 from jaxllm.quant import is_quantized
 from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
@@ -172,7 +172,8 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, key, max_new, stop_ids
 
 _STATIC = ("cache_length", "steps", "flags", "kv_int8")
 _cores = {(graph, cublas): jax.jit(_generate_core_fn, static_argnames=_STATIC, compiler_options={
-    **(LOOP_GRAPH_OPTIONS if graph else {}), **(ONE_ROW_OPTIONS if cublas else {})} or None)
+    **AUTOTUNE_OPTIONS, **(LOOP_GRAPH_OPTIONS if graph else {}), **(ONE_ROW_OPTIONS if cublas else {})}
+    or None)
     for graph in (True, False) for cublas in (False, True)}
 _generate_core, _generate_core_host_loop = _cores[True, False], _cores[False, False]
 

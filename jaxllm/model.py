@@ -7,6 +7,7 @@ call, for engines that keep their own bookkeeping.
 """
 
 import math
+import os
 from functools import partial
 
 import jax
@@ -408,12 +409,32 @@ def logits(params: Params, x_BTD, proj: str | None = None, normed_BTD=None):
                         eps=params.config.rms_norm_eps, out_dtype=jnp.float32)
 
 
+# Compiling a program cold, XLA's autotuner times candidate kernels on fresh copies of their
+# operands, each between two 8 MiB redzones, while the weights are resident. Its fusion autotuner
+# (XLA's own emitters against Triton's block-level one, for every fusion) copied the lm_head to
+# time a decode step's lm_head reduction: a process compiling cold peaked at 133.2% (SmolLM2),
+# 122.0% (Qwen3-0.6B) and 119.8% (Llama-3.2-1B) of weights + KV cache + one step's activations.
+# With it off and redzones of 64 KiB: 108.5%, 101.7% and 101.4%, as with a warm compilation cache
+# (108.5%, 101.7%, 99.5%); the 8B shape 100.8% against 105.8%, in int8 102.9% against 104.8%
+# (H200, bench, batch 1, an empty cache per process). It had picked Triton's emitter for 1 to 3
+# fusions of 60-70 (the loop's stop test; in the 8B shape a decode step's qkv reduction and the
+# attention output's convert, 0.2 and 1.5 us faster alone), yet without it the 8B shape's decode
+# step took 3.819-3.824 ms against 3.869-3.873 (three alternating rounds); Qwen3-0.6B 0.666-0.671
+# against 0.662-0.668, batch 32 4.691 against 4.676 (one round), int8 2.473 against 2.474, a
+# 2048-token prefill 47.38-47.82 ms against 46.86-47.43 (three rounds). The model's programs
+# (forward, step, generate's loop) compile so; XLA_FLAGS naming an option leave XLA's default.
+AUTOTUNE_OPTIONS = {name: value for name, value in {
+    "xla_gpu_experimental_enable_fusion_autotuner": False,
+    "xla_gpu_redzone_padding_bytes": 1 << 16,
+}.items() if name not in os.environ.get("XLA_FLAGS", "")}
+
+
 def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
     x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh=True)
     return logits(params, x_BTD, normed_BTD=normed_BTD), cache
 
 
-@jax.jit
+@partial(jax.jit, compiler_options=AUTOTUNE_OPTIONS)
 def _forward(params: Params, tokens_BT):
     B, T = tokens_BT.shape
     cache = init_cache(params.config, B, T, params.dtype)
@@ -459,7 +480,8 @@ def jitted_step():
     """`step` under jit with the cache donated where the backend supports it."""
     backend = jax.default_backend()
     if backend not in _step_jit:
-        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache(), static_argnames=("fresh",))
+        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache(), static_argnames=("fresh",),
+                                     compiler_options=AUTOTUNE_OPTIONS)
     return _step_jit[backend]
 
 

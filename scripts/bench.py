@@ -31,9 +31,10 @@ JSON keys (times in the unit their name says; null when not available on this de
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
 read after the timed generate calls, before the prefill is timed on its own. It includes what
 compiling took: XLA's autotuner, when no compilation cache has the program, held 72-258 MB more
-than generate's run (SmolLM2, Qwen3-0.6B). activation_bytes is `memory.check_fit`'s bound on one
-step's activations (the prefill's, the largest), peak_pct_of_need the peak against weights + KV
-cache + that bound on one device.
+than generate's run (SmolLM2, Qwen3-0.6B), 0-49 MB since `model.AUTOTUNE_OPTIONS` (the most for
+Llama-3.2-1B). activation_bytes is `memory.check_fit`'s bound on one step's activations (the
+prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + that bound on one
+device.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s) and cold; with
 --cold, disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page

@@ -2,8 +2,11 @@
 
 import dataclasses
 import importlib
+import os
 import json
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +199,38 @@ def test_a_step_traces_each_kind_of_layer_once(llama, monkeypatch):
         jax.jit(model.step, static_argnames="fresh").trace(
             params, jnp.zeros((1, T), jnp.int32), cache, fresh=fresh)
         assert len(traced) == kinds, (fresh, len(traced))
+
+
+_JIT_SPY = """
+import json, jax
+options, jit = {}, jax.jit
+def spy(fun=None, **kwargs):  # what each of the model's jits is given
+    options.setdefault(getattr(fun, "__name__", "?"), []).append(kwargs.get("compiler_options"))
+    return jit(fun, **kwargs)
+jax.jit = spy
+from jaxllm import generate, model
+model.jitted_step()
+print(json.dumps({name: options[name] for name in ("_forward", "step", "_generate_core_fn")}))
+"""
+
+
+def test_model_programs_leave_out_xlas_fusion_autotuner_unless_xla_flags_name_it():
+    """model.AUTOTUNE_OPTIONS (the fusion autotuner off, small redzones: a cold compile's peak
+    memory on a GPU) go to each of the model's programs, which the tests compile on the CPU, whose
+    XLA rejects an option it does not know; an option the user's XLA_FLAGS name is theirs."""
+    options = {"xla_gpu_experimental_enable_fusion_autotuner": False,
+               "xla_gpu_redzone_padding_bytes": 1 << 16}
+    for flags, want in (("", options), ("--xla_gpu_redzone_padding_bytes=8388608",
+                                        {"xla_gpu_experimental_enable_fusion_autotuner": False})):
+        out = subprocess.run([sys.executable, "-c", _JIT_SPY], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        given = json.loads(out.stdout.splitlines()[-1])
+        assert len(given["_generate_core_fn"]) == 4, given  # graph or not, cuBLAS only or not
+        for name, jits in given.items():
+            for compiler_options in jits:
+                assert want.items() <= compiler_options.items(), (flags, name, compiler_options)
+                assert ("xla_gpu_redzone_padding_bytes" in compiler_options) == (not flags), name
 
 
 def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkeypatch):
