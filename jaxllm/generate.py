@@ -191,12 +191,23 @@ def _core(rows: int = 0, params: Params | None = None):
     return _cores[graph, cublas]
 
 
-# `memory.program_bytes` of generate's compiled loop by what decides it (the loop, the params'
-# tree, shapes and dtypes, the plan's shapes, the static arguments). A warm call pays that key
+# `memory.program_bytes` of generate's compiled loop (and of stream's prefill step) by what
+# decides it (the program, the params' tree, shapes and dtypes, the plan's shapes, the static
+# arguments). A warm call pays that key
 # (61 us for SmolLM2's params on a CPU), not a trace and lowering found in the jit's caches (1.7
 # ms) nor a second set of the loop's argument arrays: keyed by those, the check made a warm 8B
 # int8 generate 2.8 ms slower on an H200 (645.4 against 642.6 ms unchecked), now 0.3 ms or less.
 _ALLOCATED: dict = {}
+
+
+def _counted(compiled, params: Params, *signature) -> int:
+    """`memory.program_bytes` of `compiled()`, a program of `params` and the rest of what decides
+    it (`signature`), counted once per program in _ALLOCATED."""
+    leaves, tree = jax.tree.flatten(params)
+    key = (tree, tuple((x.shape, x.dtype) for x in leaves), *signature)
+    if key not in _ALLOCATED:
+        _ALLOCATED[key] = memory.program_bytes(compiled())
+    return _ALLOCATED[key]
 
 
 def _is_stop(token, stop_ids):
@@ -245,13 +256,12 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     def allocated(*plan):  # compiled once: the call below finds it in the jit's cache
         tokens, _, steps, cache_length = plan
         core = _core(tokens.shape[0], params)
-        leaves, tree = jax.tree.flatten(params)
-        key = (core, tree, tuple((x.shape, x.dtype) for x in leaves), tokens.shape, len(stops),
-               cache_length, steps, sampling.static(), is_int8(kv_dtype))
-        if key not in _ALLOCATED:
+
+        def compiled():
             args, static = call(*plan)
-            _ALLOCATED[key] = memory.program_bytes(core.trace(*args, **static).lower().compile())
-        return _ALLOCATED[key]
+            return core.trace(*args, **static).lower().compile()
+        return _counted(compiled, params, core, tokens.shape, len(stops), cache_length, steps,
+                        sampling.static(), is_int8(kv_dtype))
 
     plan = _plan(params, ids, max_new_tokens, sampling, kv_dtype, allocated)
     tokens, _, steps, cache_length = plan
@@ -274,15 +284,32 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
            eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced, the stop token included."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype)
+    run = jitted_step()
+
+    def new_cache(start, cache_length):
+        return init_cache(params.config, 1, cache_length, params.dtype, start, kv_dtype=kv_dtype)
+
+    def allocated(tokens, start, steps, cache_length):
+        # The cache (an argument here) and XLA's count of the prefill, the largest step: compiled
+        # once for abstract arguments, which the call below finds in the jit's cache.
+        kv = memory.request_bytes(params, 1, tokens.shape[1], cache_length, kv_dtype)[0]
+
+        def compiled():
+            cache = jax.eval_shape(partial(new_cache, cache_length=cache_length),
+                                   jax.ShapeDtypeStruct(start.shape, jnp.int32))
+            return run.trace(params, jax.ShapeDtypeStruct(tokens.shape, jnp.int32), cache,
+                             fresh=True).lower().compile()
+        return kv + _counted(compiled, params, run, tokens.shape, cache_length, is_int8(kv_dtype))
+
+    tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype,
+                                           allocated)
     stops = set(params.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     flags, values = sampling.static(), sampling.values()
     key = jax.random.key(seed)
-    cache = init_cache(params.config, 1, cache_length, params.dtype, jnp.asarray(start), kv_dtype=kv_dtype)
+    cache = new_cache(jnp.asarray(start), cache_length)
     tokens_dev = jnp.asarray(tokens)
     seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \
         jnp.zeros((1, 1), bool)
-    run = jitted_step()
     rotation = rotation_table(params.config, cache_length) if params.tp is None else None
     compiled = compile_count(run)
     logits_BV, cache = run(params, tokens_dev, cache, fresh=True)

@@ -201,8 +201,10 @@ def _reference(path: Path) -> _Ref:
 
 def check_sampling_and_stream(root: Path) -> str:
     """Temperature with top-k/top-p/min-p and a repetition penalty, and `stream`, as unsharded."""
+    from unittest import mock
+
     import jaxllm
-    from jaxllm import sharding
+    from jaxllm import memory, sharding
 
     ref = _reference(root / "llama_k2")
     params = jaxllm.load(root / "llama_k2", dtype="float32", mesh=sharding.make_mesh(4))
@@ -211,8 +213,13 @@ def check_sampling_and_stream(root: Path) -> str:
     want = jaxllm.generate(ref.params, prompts(), **kw)
     got = jaxllm.generate(params, prompts(), **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    streamed = list(jaxllm.stream(params, prompts()[1], max_new_tokens=10, eos_token_ids=()))
+    # With memory figures (none on a CPU), stream compiles its sharded prefill for XLA's count.
+    counted, count = [], memory.program_bytes
+    with mock.patch.object(memory, "memory_stats", lambda device: {"bytes_limit": 1 << 40}), \
+            mock.patch.object(memory, "program_bytes", lambda c: counted.append(count(c)) or counted[-1]):
+        streamed = list(jaxllm.stream(params, prompts()[1], max_new_tokens=10, eos_token_ids=()))
     assert streamed == list(ref.tokens[1, :10]), (streamed, ref.tokens[1, :10])
+    assert len(counted) == 1 and counted[0] > 0, counted
     return "sampled and streamed tokens equal"
 
 

@@ -16,6 +16,7 @@ import jaxllm
 from jaxllm import memory, presets
 from jaxllm.cache import cache_bytes
 from jaxllm.params import abstract_params, init_params, param_bytes
+from compile_counting import compilations
 
 gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
 
@@ -148,3 +149,28 @@ def test_activation_bound_covers_what_the_h200_held():
 def test_without_statistics_nothing_is_checked(monkeypatch, params):
     monkeypatch.setattr(memory, "memory_stats", lambda device: None)
     memory.check_fit(params, 10 ** 6, 16, 10 ** 6)
+
+
+def test_stream_weighs_xla_count_of_its_prefill_and_compiles_it_once(monkeypatch, params):
+    # stream's cache is an argument of its steps: XLA's count of the prefill step comes on top of
+    # it. The step compiled for the count is the one the stream then runs.
+    cfg = params.config
+    T, new = 16, 60
+    length = T + gen.bucket(new)
+    kv = cache_bytes(cfg, 1, length, jnp.float32)
+    act = memory.activation_bytes(cfg, 1, T, length, jnp.float32, fresh=True)
+    fake_free(monkeypatch, kv + act + 1000)
+    monkeypatch.setattr(gen, "_ALLOCATED", {})
+    counted, real = [], memory.program_bytes
+    monkeypatch.setattr(memory, "program_bytes", lambda compiled: counted.append(real(compiled)) or 2 * act)
+    ids = [5] * T
+    with pytest.raises(ValueError, match="out of device memory") as e:
+        next(jaxllm.stream(params, ids, max_new_tokens=new))
+    assert f"{memory.size_text(2 * act)} of activations by XLA's count" in str(e.value)
+    assert len(counted) == 1 and counted[0] > 0
+    gen._ALLOCATED.clear()
+    monkeypatch.setattr(memory, "program_bytes", lambda compiled: act)
+    with compilations() as names:
+        out = list(jaxllm.stream(params, ids, max_new_tokens=3, eos_token_ids=[]))
+    assert len(out) == 3
+    assert names.count("jit(step)") == 2, names  # the prefill (once, for the count and the run), a step
