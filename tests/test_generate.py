@@ -2,8 +2,8 @@
 
 import dataclasses
 import importlib
-import os
 import json
+import os
 import shutil
 import subprocess
 import sys
