@@ -420,7 +420,8 @@ def logits(params: Params, x_BTD, proj: str | None = None, normed_BTD=None):
 # fusions of 60-70 (the loop's stop test; in the 8B shape a decode step's qkv reduction and the
 # attention output's convert, 0.2 and 1.5 us faster alone), yet without it the 8B shape's decode
 # step took 3.819-3.824 ms against 3.869-3.873 (three alternating rounds); Qwen3-0.6B 0.666-0.671
-# against 0.662-0.668, batch 32 4.691 against 4.676 (one round), int8 2.473 against 2.474, a
+# against 0.662-0.668 there, 0.6558-0.6604 against 0.6543-0.6634 on another machine (five
+# rounds); batch 32 4.691 against 4.676 (one round), int8 2.473 against 2.474, a
 # 2048-token prefill 47.38-47.82 ms against 46.86-47.43 (three rounds). The model's programs
 # (forward, step, generate's loop) compile so; XLA_FLAGS naming an option leave XLA's default.
 AUTOTUNE_OPTIONS = {name: value for name, value in {
