@@ -423,7 +423,8 @@ def logits(params: Params, x_BTD, proj: str | None = None, normed_BTD=None):
 # against 0.662-0.668 there, 0.6558-0.6604 against 0.6543-0.6634 on another machine (five
 # rounds); batch 32 4.691 against 4.676 (one round), int8 2.473 against 2.474, a
 # 2048-token prefill 47.38-47.82 ms against 46.86-47.43 (three rounds). The model's programs
-# (forward, step, generate's loop) compile so; XLA_FLAGS naming an option leave XLA's default.
+# (forward, step, generate's loop) compile so; XLA_FLAGS naming an option when jaxllm is
+# imported leave XLA's default.
 AUTOTUNE_OPTIONS = {name: value for name, value in {
     "xla_gpu_experimental_enable_fusion_autotuner": False,
     "xla_gpu_redzone_padding_bytes": 1 << 16,
