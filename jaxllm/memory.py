@@ -3,11 +3,11 @@
 The weights are on the device already (inside the allocator's `bytes_in_use`); a request adds
 its KV cache (`cache_bytes`, exact) and what one step holds besides weights and cache (a bound,
 `activation_bytes`). Those must fit in what the allocator has left, `bytes_limit - bytes_in_use`
-of `Device.memory_stats()`; where they do, `generate` also checks XLA's own count of what its
-compiled program allocates. Backends without statistics (the CPU) are not checked. A request that
-cannot fit is a ValueError giving both figures and the largest batch, and the longest cache, that
-would; without it, XLA would fail later with an out-of-memory error naming a buffer, or the
-host would swap.
+of `Device.memory_stats()`; where they do, `generate` and `stream` also check XLA's own count of
+what their compiled programs allocate. Backends without statistics (the CPU) are not checked. A
+request that cannot fit is a ValueError giving both figures and the largest batch, and the longest
+cache, that would; without it, XLA would fail later with an out-of-memory error naming a buffer,
+or the host would swap.
 """
 
 from __future__ import annotations
