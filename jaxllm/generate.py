@@ -171,15 +171,20 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, key, max_new, stop_ids
 
 
 _STATIC = ("cache_length", "steps", "flags", "kv_int8")
-_cores = {(graph, cublas): jax.jit(_generate_core_fn, static_argnames=_STATIC, compiler_options={
-    **AUTOTUNE_OPTIONS, **(LOOP_GRAPH_OPTIONS if graph else {}), **(ONE_ROW_OPTIONS if cublas else {})}
-    or None)
-    for graph in (True, False) for cublas in (False, True)}
+
+
+def _options(graph: bool, cublas: bool) -> dict:
+    return {**AUTOTUNE_OPTIONS, **(LOOP_GRAPH_OPTIONS if graph else {}), **(ONE_ROW_OPTIONS if cublas else {})}
+
+
+_cores = {(graph, cublas): jax.jit(_generate_core_fn, static_argnames=_STATIC,
+                                   compiler_options=_options(graph, cublas) or None)
+          for graph in (True, False) for cublas in (False, True)}
 _generate_core, _generate_core_host_loop = _cores[True, False], _cores[False, False]
 
 
-def _core(rows: int = 0, params: Params | None = None):
-    """The compiled loop `generate` runs for `rows` prompts of `params`: one graph, unless a trace
+def _choice(rows: int = 0, params: Params | None = None) -> tuple[bool, bool]:
+    """Which of `_cores` generate runs for `rows` prompts of `params`: one graph, unless a trace
     needs its kernels or the environment says otherwise (see LOOP_GRAPH_OPTIONS); cuBLAS's GEMMs
     only for one row of a dense float model on a GPU (see ONE_ROW_OPTIONS)."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -188,7 +193,18 @@ def _core(rows: int = 0, params: Params | None = None):
     cublas = (rows == 1 and params is not None and params.config.num_experts == 0
               and L.gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags
               and not is_quantized(params))  # the tree walk last, on GPUs only
-    return _cores[graph, cublas]
+    return graph, cublas
+
+
+def _core(rows: int = 0, params: Params | None = None):
+    """The compiled loop `generate` runs for `rows` prompts of `params` (see `_choice`)."""
+    return _cores[_choice(rows, params)]
+
+
+def compiler_options(rows: int, params: Params) -> dict:
+    """The XLA options generate's loop compiles with for `rows` prompts of `params`: for a program
+    that should compile as generate's does (scripts/bench.py times the prefill so)."""
+    return _options(*_choice(rows, params))
 
 
 # `memory.program_bytes` of generate's compiled loop (and of stream's prefill step) by what

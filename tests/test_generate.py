@@ -15,6 +15,7 @@ import pytest
 
 import jaxllm
 from jaxllm import layers as L
+from jaxllm import model
 from jaxllm.generate import _generate_core, pad_prompts
 from jaxllm.quant import quantize_params
 from tiny_models import hf_greedy, rel_err, random_tokens
@@ -249,6 +250,10 @@ def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkey
     with monkeypatch.context() as m:
         m.setattr(L, "gpu_generation", lambda: 9)
         assert gen._core(1, dense) is one_row
+        # What bench compiles its prefill with: the options of the loop generate picked.
+        assert gen.compiler_options(1, dense) == {**model.AUTOTUNE_OPTIONS, **gen.LOOP_GRAPH_OPTIONS,
+                                                  **gen.ONE_ROW_OPTIONS}
+        assert "xla_gpu_enable_triton_gemm" not in gen.compiler_options(2, dense)
         assert gen._core(2, dense) is gen._generate_core
         assert gen._core(1, moe) is gen._generate_core
         assert gen._core(1, quantize_params(dense)) is gen._generate_core
