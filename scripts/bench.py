@@ -26,6 +26,11 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_ms_per_step, decode_tokens_per_s_per_seq, decode_tokens_per_s, end_to_end_tokens_per_s,
   decode_context_mean, weight_bytes_per_step, kv_bytes_per_step, bytes_per_step,
   achieved_tbps, peak_tbps, pct_peak_bw, copy_tbps, pct_copy_bw, matmul_tflops,
+  copy_tbps_burst, matmul_tflops_burst, power_limit_w,
+  copy_sm_mhz, copy_sm_mhz_min, copy_power_w, copy_power_capped_pct,
+  matmul_sm_mhz, matmul_sm_mhz_min, matmul_power_w, matmul_power_capped_pct,
+  prefill_sm_mhz, prefill_sm_mhz_min, prefill_power_w, prefill_power_capped_pct,
+  decode_sm_mhz, decode_sm_mhz_min, decode_power_w, decode_power_capped_pct,
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
@@ -45,6 +50,14 @@ process's libraries).
 With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices' together, so the
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
+The GPU runs at its power limit in long enough work (on an H200 the 8B shape's prefill and decode,
+and a matmul past its first 75 ms: see jaxllm.telemetry). So the probes' copy_tbps and
+matmul_tflops are rates after SUSTAIN_S of the same work, the prefill is timed after SUSTAIN_S of
+prefills, and the *_burst rates are each probe's first 10 x 5 calls. PHASE_sm_mhz (median),
+PHASE_sm_mhz_min, PHASE_power_w (median) and PHASE_power_capped_pct (share of NVML readings with
+the clocks held down by a power cap, thermal or hardware slowdown) are the first device's, read
+every 20 ms while the phase was timed: copy and matmul (the probes, with --measure-peaks),
+prefill, decode (the timed generate calls). Null without NVML (a CPU, or no nvidia-ml-py).
 source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
 """
 
@@ -59,11 +72,18 @@ import subprocess
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 DATASHEET_BW = 4.8e12  # H200 HBM3e, vendor datasheet (bytes/s)
 COPY_PROBE_BYTES = 4 << 30  # ~4.3 GB: 70x the H200's L2, so the copy streams HBM
 MATMUL_PROBE_N = 8192
+# Work that runs this long is past the power cap's onset: on an H200 an 8192-cube matmul timed in
+# its first 75 ms ran 763 TFLOP/s at 1980 MHz, timed over 0.8 s 702 at 1530 MHz (power-capped).
+# The probes and the prefill are timed after this much of the same work; generate's calls of a
+# large model last longer themselves.
+SUSTAIN_S = 0.5
+CLOCK_KEYS = ("sm_mhz", "sm_mhz_min", "power_w", "power_capped_pct")  # of telemetry's summary
 
 
 def _int_list(text: str) -> list[int]:
@@ -173,22 +193,45 @@ def _rate(fn, calls: int = 10, rounds: int = 5) -> float:
     return statistics.median(per_call)
 
 
+def _sustained(fn, burst_s: float):
+    """(`_rate` of fn after it has run for SUSTAIN_S, its clocks meanwhile): the rate a phase that
+    lasts longer than a burst gets under the GPU's power cap (see jaxllm.telemetry)."""
+    from jaxllm import telemetry
+    calls = max(1, round(SUSTAIN_S / 5 / burst_s))
+    _rate(fn, calls, rounds=5)
+    with telemetry.sample() as clock:
+        seconds = _rate(fn, calls, rounds=5)
+    return seconds, clock
+
+
+def _clock_fields(phase: str, clock) -> dict:
+    """A phase's clocks for the JSON line, as `telemetry.Sampler.summary` gives them."""
+    c = clock.summary()
+    return {f"{phase}_{k}": c[k] for k in CLOCK_KEYS}
+
+
 def measure_peaks() -> dict:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data, never zeros."""
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data, never zeros:
+    sustained (after SUSTAIN_S of the same work, as the timed phases run) and in a first burst."""
     import jax
     import jax.numpy as jnp
     key = jax.random.key(1)
     x = jax.random.normal(key, (COPY_PROBE_BYTES // 4,), jnp.float32)
     scale = jax.jit(lambda x: x * 1.5)
-    copy_s = _rate(lambda: scale(x))
+    copy_burst_s = _rate(lambda: scale(x))
+    copy_s, copy_clock = _sustained(lambda: scale(x), copy_burst_s)
     del x
     n = MATMUL_PROBE_N
     a = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.fold_in(key, 2), (n, n), jnp.bfloat16)
     matmul = jax.jit(jnp.matmul)
-    mm_s = _rate(lambda: matmul(a, b))
-    return dict(copy_tbps=2 * COPY_PROBE_BYTES / copy_s / 1e12, matmul_tflops=2 * n ** 3 / mm_s / 1e12,
-                device=jax.devices()[0].device_kind)
+    mm_burst_s = _rate(lambda: matmul(a, b))
+    mm_s, mm_clock = _sustained(lambda: matmul(a, b), mm_burst_s)
+    return dict(copy_tbps=2 * COPY_PROBE_BYTES / copy_s / 1e12,
+                copy_tbps_burst=2 * COPY_PROBE_BYTES / copy_burst_s / 1e12,
+                matmul_tflops=2 * n ** 3 / mm_s / 1e12, matmul_tflops_burst=2 * n ** 3 / mm_burst_s / 1e12,
+                **_clock_fields("copy", copy_clock), **_clock_fields("matmul", mm_clock),
+                power_limit_w=mm_clock.power_limit_w, device=jax.devices()[0].device_kind)
 
 
 def probe_peaks() -> dict:
@@ -201,8 +244,9 @@ def probe_peaks() -> dict:
         log(f"bench: the peaks probe failed (exit {proc.returncode}); comparing with the datasheet only")
         return {}
     peaks = json.loads(lines[-1])
-    log(f"bench: measured on {peaks['device']}: copy {peaks['copy_tbps']:.2f} TB/s, "
-        f"bf16 matmul {peaks['matmul_tflops']:.0f} TFLOP/s")
+    log(f"bench: measured on {peaks['device']}: copy {peaks['copy_tbps']:.2f} TB/s "
+        f"({peaks['copy_tbps_burst']:.2f} in a first burst), bf16 matmul {peaks['matmul_tflops']:.0f} "
+        f"TFLOP/s ({peaks['matmul_tflops_burst']:.0f}), at {peaks['matmul_sm_mhz'] or '?'} MHz")
     return peaks
 
 
@@ -330,7 +374,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     import jaxllm
     from jaxllm import roofline
     from jaxllm.cache import cache_bytes, init_cache
-    from jaxllm.generate import bucket, pad_prompts
+    from jaxllm import telemetry
+    from jaxllm.generate import bucket, compiler_options, pad_prompts
     from jaxllm.model import step
     from jaxllm.params import param_bytes, param_count
 
@@ -351,7 +396,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     lengths = np.asarray(out.lengths)
     if not (lengths == new).all():
         raise RuntimeError(f"generate stopped early (lengths {sorted(set(lengths.tolist()))}, wanted {new})")
-    generate_s, generate_all = _median_time(generate, args.repeat)
+    with telemetry.sample() as decode_clock:
+        generate_s, generate_all = _median_time(generate, args.repeat)
     tokens, start, _ = pad_prompts(params, ids)
     cache_len = tokens.shape[1] + bucket(new)
     # Memory now: the prefill below, a program of its own, held 1.4-2.7 times what generate's
@@ -359,11 +405,13 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     memory = _memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, label["tp"])
 
     # Prefill alone: one jitted program that, like generate's, allocates a fresh cache of the
-    # length generate plans for these prompts and runs `step` over the padded prompt.
+    # length generate plans for these prompts and runs `step` over the padded prompt, compiled
+    # with the options generate's loop has for these rows. Timed after SUSTAIN_S of prefills,
+    # as the matmul rate it is compared with (the GPU's power cap has then taken hold).
     tokens, start = jax.device_put(tokens), jax.device_put(start)
     key = jax.random.key(args.seed)
 
-    @jax.jit
+    @partial(jax.jit, compiler_options=compiler_options(batch, params) or None)
     def prefill_jit(params, tokens, start):
         return step(params, tokens, init_cache(cfg, batch, cache_len, params.dtype, start, kv_dtype),
                     fresh=True)
@@ -373,7 +421,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
 
     logits, _ = _wait(prefill())  # compiles
     _wait(jaxllm.sample(logits, key))
-    prefill_s, _ = _median_time(prefill, max(5, args.repeat))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < SUSTAIN_S:
+        _wait(prefill())
+    with telemetry.sample() as prefill_clock:
+        prefill_s, _ = _median_time(prefill, max(5, args.repeat))
     sample_s, _ = _median_time(lambda: jaxllm.sample(logits, key), 10)
     del logits
     ttft_s = prefill_s + sample_s
@@ -416,7 +468,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         kv_bytes_per_step=dt["kv_read_bytes"] + dt["kv_write_bytes"], bytes_per_step=step_bytes,
         achieved_tbps=achieved / 1e12, peak_tbps=peak_bw / 1e12, pct_peak_bw=100 * achieved / peak_bw,
         copy_tbps=copy_bw and copy_bw / 1e12, pct_copy_bw=copy_bw and 100 * achieved / copy_bw,
-        matmul_tflops=peaks.get("matmul_tflops"),
+        matmul_tflops=peaks.get("matmul_tflops"), matmul_tflops_burst=peaks.get("matmul_tflops_burst"),
+        copy_tbps_burst=peaks.get("copy_tbps_burst"),
+        **{f"{probe}_{k}": peaks.get(f"{probe}_{k}") for probe in ("copy", "matmul") for k in CLOCK_KEYS},
+        **_clock_fields("prefill", prefill_clock), **_clock_fields("decode", decode_clock),
+        power_limit_w=prefill_clock.power_limit_w,
         decode_roofline_ms=dt["time_lb_s"] * 1e3, pct_of_roofline=100 * dt["time_lb_s"] / decode_s,
         roofline_tokens_per_s=dt["tokens_per_s_lb"],
         **memory, error=None)

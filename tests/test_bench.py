@@ -81,6 +81,9 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
         # Without --measure-peaks or memory stats on the CPU, these stay null rather than guessed.
         assert r["copy_tbps"] is None and r["pct_copy_bw"] is None and r["peak_bytes_in_use"] is None
         assert r["peak_pct_of_need"] is None
+        # No NVML on a CPU: the clocks of each phase are null, not zeros.
+        assert all(r[f"{phase}_{k}"] is None for phase in ("copy", "matmul", "prefill", "decode")
+                   for k in ("sm_mhz", "sm_mhz_min", "power_w", "power_capped_pct"))
     assert "roofline tiny" in stderr and "lm_head" in stderr
 
 
