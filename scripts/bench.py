@@ -469,7 +469,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         achieved_tbps=achieved / 1e12, peak_tbps=peak_bw / 1e12, pct_peak_bw=100 * achieved / peak_bw,
         copy_tbps=copy_bw and copy_bw / 1e12, pct_copy_bw=copy_bw and 100 * achieved / copy_bw,
         matmul_tflops=peaks.get("matmul_tflops"), matmul_tflops_burst=peaks.get("matmul_tflops_burst"),
-        copy_tbps_burst=peaks.get("copy_tbps_burst"),
+        copy_tbps_burst=peaks.get("copy_tbps_burst") and peaks["copy_tbps_burst"] * devices,
         **{f"{probe}_{k}": peaks.get(f"{probe}_{k}") for probe in ("copy", "matmul") for k in CLOCK_KEYS},
         **_clock_fields("prefill", prefill_clock), **_clock_fields("decode", decode_clock),
         power_limit_w=prefill_clock.power_limit_w,

@@ -111,11 +111,30 @@ def test_bench_int8_runs_on_quantized_weights():
     assert run["weight_bytes_per_step"] < 0.6 * bf16
 
 
-def test_bench_memory_figures_weigh_the_peak_against_weights_kv_and_activations(monkeypatch):
-    # On a GPU the peak is read from the allocator; here a device with statistics stands in.
+def _bench_module():
     spec = importlib.util.spec_from_file_location("bench_script", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_peaks_probe_gives_sustained_and_burst_rates_with_their_clocks(monkeypatch):
+    """--measure-peaks' probe at toy sizes: the sustained rates (what the prefill and decode are
+    compared with) and the first bursts, each a positive rate; no NVML here, so no clocks."""
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "COPY_PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(bench, "MATMUL_PROBE_N", 64)
+    monkeypatch.setattr(bench, "SUSTAIN_S", 0.05)
+    peaks = bench.measure_peaks()
+    for key in ("copy_tbps", "copy_tbps_burst", "matmul_tflops", "matmul_tflops_burst"):
+        assert isinstance(peaks[key], float) and peaks[key] > 0, (key, peaks[key])
+    assert all(peaks[f"{probe}_{k}"] is None for probe in ("copy", "matmul") for k in bench.CLOCK_KEYS)
+    assert peaks["power_limit_w"] is None and peaks["device"] == jax.devices()[0].device_kind
+
+
+def test_bench_memory_figures_weigh_the_peak_against_weights_kv_and_activations(monkeypatch):
+    # On a GPU the peak is read from the allocator; here a device with statistics stands in.
+    bench = _bench_module()
     params = presets.random_params(presets.PRESETS["tiny"])
     kv, act = memory.request_bytes(params, 2, 16, 48)
     # K and V, layers, KV heads, rows, slots, head dim, bf16
