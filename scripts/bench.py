@@ -121,7 +121,8 @@ def parse_args(argv):
     p.add_argument("--trace-dir", help="record one profiled generate call per run under this directory")
     p.add_argument("--plot", help="PNG: decode tokens/s against batch beside the roofline (matplotlib)")
     p.add_argument("--measure-peaks", action="store_true",
-                   help="first measure copy bandwidth and bf16 matmul rate (in a child process)")
+                   help="first measure copy bandwidth and bf16 matmul rate, sustained and in a first "
+                        "burst, with their clocks (in a child process)")
     p.add_argument("--copy-tbps", type=float, help="measured copy bandwidth to compare with (TB/s)")
     p.add_argument("--matmul-tflops", type=float, help="measured bf16 matmul rate to compare with")
     p.add_argument("--no-compile-cache", action="store_true",
