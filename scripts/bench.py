@@ -373,9 +373,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     import numpy as np
 
     import jaxllm
-    from jaxllm import roofline
+    from jaxllm import roofline, telemetry
     from jaxllm.cache import cache_bytes, init_cache
-    from jaxllm import telemetry
     from jaxllm.generate import bucket, compiler_options, pad_prompts
     from jaxllm.model import step
     from jaxllm.params import param_bytes, param_count
