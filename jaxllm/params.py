@@ -272,8 +272,8 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
 
     With `threads` > 1, that many threads read parameters, the largest first and otherwise in
     the order of their bytes, and as many place them as they come: the disk keeps reading while
-    the device takes what was read (and while its backend starts), with at most `buffer_bytes`
-    read but not yet placed. (`place` and `progress` then run on those threads.)
+    the device takes what was read, with at most `buffer_bytes` read but not yet placed.
+    (`place` and `progress` then run on those threads.)
     """
     jobs = named_specs(cfg)
     expected = {name: shape for _, s in jobs for name, shape in s.hf}

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -69,6 +72,29 @@ def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
     with torch.no_grad():
         ref = reference(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
     assert tiny_models.rel_err(jaxllm.forward(params, tokens), ref) < 1e-4
+
+
+def test_the_backend_starts_before_the_checkpoint_is_read(tmp_path):
+    """In a fresh process, as a user's: load brings the device backend up before its readers
+    start, even with dtype given, so the backend's own reads (its libraries, on a fresh machine)
+    do not queue behind the checkpoint's."""
+    presets.write_checkpoint(presets.PRESETS["tiny"], tmp_path, dtype="float32")
+    code = (
+        "import sys, jaxllm\n"
+        "from jax._src import xla_bridge\n"
+        "from jaxllm import loader\n"
+        "seen, read = [], loader.from_hf_tensors\n"
+        "def spy(*args, **kwargs):\n"
+        "    seen.append(xla_bridge.backends_are_initialized())\n"
+        "    return read(*args, **kwargs)\n"
+        "loader.from_hf_tensors = spy\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "jaxllm.load(sys.argv[1], dtype='float32')\n"
+        "print(seen)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[True]"]
 
 
 def test_loading_threads_give_the_same_params(tmp_path, monkeypatch, llama):
