@@ -6,6 +6,7 @@
     python scripts/bench.py --model path/to/hf_dir --measure-peaks --plot bench.png
     python scripts/bench.py --preset llama3-8b --write-checkpoint /tmp/ck   # random, HF layout
     python scripts/bench.py --model /tmp/ck --cold --load-only              # load against disk
+    python scripts/bench.py --model /tmp/ck --fresh --load-only   # as a fresh machine's first process
 
 A run is one (batch, prompt length): random prompts, greedy, no stop ids, so every row makes all
 --new-tokens. The first `generate` call includes compilation; --repeat timed calls follow. Prefill
@@ -41,8 +42,8 @@ Llama-3.2-1B). activation_bytes is `memory.check_fit`'s bound on one step's acti
 prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + that bound on one
 device.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
-also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s) and cold; with
---cold, disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
+also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s), cold and fresh;
+with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
 cache before it and again after), and disk_gb_read_in_plain_read and disk_gb_read_in_load: what
 the machine's disks read (Linux's /sys/block counts, null elsewhere) during that read and during
 the load, the load's including whatever else the process read from them meanwhile (a first GPU
@@ -64,6 +65,7 @@ source is a hash of jaxllm's and this script's sources: it names the code where 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -133,6 +135,10 @@ def parse_args(argv):
     p.add_argument("--cold", action="store_true",
                    help="with --model DIR: drop its files from the page cache, time one plain read "
                         "of them (the disk's rate), drop them again, then load")
+    p.add_argument("--fresh", action="store_true",
+                   help="--cold, and the GPU backend's libraries (JAX's CUDA plugin, the nvidia "
+                        "packages) dropped from the page cache too before the load, as a fresh "
+                        "machine's first process finds them: read from the disk as it loads")
     p.add_argument("--load-only", action="store_true",
                    help="with --model: print the load's JSON line and stop")
     p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
@@ -143,8 +149,9 @@ def parse_args(argv):
         p.error("give --preset NAME or --model PATH")
     if args.write_checkpoint and not args.preset:
         p.error("--write-checkpoint takes the shape of --preset")
-    if (args.cold or args.load_only) and not args.model:
-        p.error("--cold and --load-only time the loading of --model")
+    if (args.cold or args.fresh or args.load_only) and not args.model:
+        p.error("--cold, --fresh and --load-only time the loading of --model")
+    args.cold = args.cold or args.fresh
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2: a decode step is timed from the tokens after the first")
     if args.repeat < 1:
@@ -291,6 +298,18 @@ def drop_from_page_cache(files):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def backend_library_files() -> list[Path]:
+    """The shared libraries of JAX's GPU plugin packages and of the nvidia packages (CUDA, cuBLAS,
+    cuDNN, NCCL...), where installed: what a GPU backend reads as it starts, the driver's own
+    libraries aside. Found without importing them."""
+    files = []
+    for name in ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "nvidia"):
+        spec = importlib.util.find_spec(name)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            files += [f for f in Path(root).rglob("*.so*") if f.is_file() and not f.is_symlink()]
+    return files
 
 
 def disk_bytes_read() -> int | None:
@@ -574,6 +593,11 @@ def main(argv=None) -> int:
             rate, loading["disk_gb_read_in_plain_read"] = _disk_gb_during(lambda: read_rate(files))
             loading["disk_read_gb_per_s"] = rate / 1e9
             drop_from_page_cache(files)
+        if args.fresh:
+            from jax._src import xla_bridge
+            if getattr(xla_bridge, "backends_are_initialized", lambda: False)():  # mapped: cached
+                log("bench: --fresh: the backend started before the load; its libraries stay cached")
+            drop_from_page_cache(backend_library_files())
         t0 = time.perf_counter()
         params, disk_gb = _disk_gb_during(lambda: _wait(jaxllm.load(
             args.model, dtype=dtype, quant=args.quant, mesh=mesh, expert_parallel=args.expert_parallel)))
@@ -582,7 +606,7 @@ def main(argv=None) -> int:
             loading["disk_gb_read_in_load"] = disk_gb
         loading["checkpoint_bytes"] = sum(f.stat().st_size for f in files)
         loading["load_gb_per_s"] = loading["checkpoint_bytes"] / loading["load_s"] / 1e9
-        loading["cold"] = args.cold
+        loading["cold"], loading["fresh"] = args.cold, args.fresh
     else:
         cfg = presets.PRESETS[args.preset]
         if cfg.num_experts and not hasattr(layers, "moe"):

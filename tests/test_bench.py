@@ -91,7 +91,8 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
     (["--dtype", "float32", "--kv-dtype", "bf16"], "not implemented yet"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
     (["--batch", "1,0"], "integers >= 1"),
-    (["--cold"], "--cold and --load-only time the loading of --model"),
+    (["--cold"], "--cold, --fresh and --load-only time the loading of --model"),
+    (["--fresh"], "--cold, --fresh and --load-only time the loading of --model"),
 ])
 def test_bench_refuses_what_it_cannot_measure(flags, message):
     proc = _bench("--preset", "tiny", *flags, timeout=120)
@@ -188,12 +189,13 @@ def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     assert ModelConfig.from_hf(checkpoint) == presets.PRESETS["tiny"]
 
     cold_keys = {"disk_read_gb_per_s", "disk_gb_read_in_plain_read", "disk_gb_read_in_load"}
-    load_keys = {"load_s", "checkpoint_bytes", "load_gb_per_s", "cold"} | cold_keys
-    proc = _bench("--model", str(checkpoint), "--cold", "--load-only")
+    load_keys = {"load_s", "checkpoint_bytes", "load_gb_per_s", "cold", "fresh"} | cold_keys
+    proc = _bench("--model", str(checkpoint), "--fresh", "--load-only")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (loaded,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert load_keys <= set(loaded) and "decode_ms_per_step" not in loaded
-    assert loaded["cold"] is True and loaded["checkpoint_bytes"] == written["checkpoint_bytes"]
+    assert loaded["cold"] is True and loaded["fresh"] is True  # --fresh is --cold and more
+    assert loaded["checkpoint_bytes"] == written["checkpoint_bytes"]
     assert loaded["load_gb_per_s"] == pytest.approx(loaded["checkpoint_bytes"] / loaded["load_s"] / 1e9)
     assert loaded["disk_read_gb_per_s"] > 0
     for key in ("disk_gb_read_in_plain_read", "disk_gb_read_in_load"):  # null where no disk is seen
@@ -205,8 +207,27 @@ def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert set(run) == _documented_keys() | load_keys - cold_keys
-    assert run["error"] is None and run["cold"] is False and run["model"] == str(checkpoint)
+    assert run["error"] is None and run["cold"] is run["fresh"] is False
+    assert run["model"] == str(checkpoint)
     assert run["param_count"] == param_count(abstract_params(presets.PRESETS["tiny"]))
+
+
+def test_fresh_drops_the_gpu_backends_libraries(tmp_path, monkeypatch):
+    """--fresh's libraries: the shared objects of the nvidia and JAX plugin packages found on the
+    path, each file once (not the links beside it), nothing of other packages."""
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcublas.so.13").write_bytes(b"\0" * 10)
+    (lib / "libcublas.so").symlink_to(lib / "libcublas.so.13")
+    (lib / "notes.txt").write_text("not a library")
+    plugin = tmp_path / "jax_plugins" / "xla_cuda13"
+    plugin.mkdir(parents=True)
+    (plugin / "xla_cuda_plugin.so").write_bytes(b"\0" * 10)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "libother.so").write_bytes(b"\0" * 10)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = sorted(f for f in _bench_module().backend_library_files() if tmp_path in f.parents)
+    assert found == [plugin / "xla_cuda_plugin.so", lib / "libcublas.so.13"]
 
 
 def test_bench_reports_a_failed_run_as_json_and_fails():
