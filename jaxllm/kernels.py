@@ -1243,7 +1243,7 @@ def prefetched(w) -> bool:
 # the presets, SmolLM2's. JAXLLM_WEIGHTS_FIRST=0 turns it off. Most of the gain is the weights'
 # order: with the squares last either way (SQUARES_LAST, below), SmolLM2 without it took 0.4140,
 # 0.4124 and 0.4138 ms a step against 0.3803, 0.3856 and 0.3856 (same run; the faster side also
-# loaded o's weights before combining the heads, about 0.006 ms of it, see README).
+# loaded o's weights before combining the heads, about 0.006 ms of it, see docs/speed.md).
 WEIGHTS_FIRST = os.environ.get("JAXLLM_WEIGHTS_FIRST", "1") != "0"
 
 # Every float matrix's kernel, its weights from HBM or L2, makes the norm's sum of squares after
