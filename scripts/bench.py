@@ -43,11 +43,11 @@ prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + 
 device.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s), cold and fresh;
-with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files, dropped from the page
-cache before it and again after), and disk_gb_read_in_plain_read and disk_gb_read_in_load: what
-the machine's disks read (Linux's /sys/block counts, null elsewhere) during that read and during
-the load, the load's including whatever else the process read from them meanwhile (a first GPU
-process's libraries).
+with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files,
+dropped from the page cache before it and again after), and disk_gb_read_in_plain_read and
+disk_gb_read_in_load: what the machine's disks read (Linux's /sys/block counts, null elsewhere)
+during that read and during the load, the load's including whatever else the process read from
+them meanwhile (a first GPU process's libraries, which --fresh drops from the page cache too).
 With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices' together, so the
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
@@ -288,13 +288,15 @@ def checkpoint_files(path) -> list[Path]:
         return sorted(p for p in path.rglob("*") if p.is_file())
 
 
-def drop_from_page_cache(files):
+def drop_from_page_cache(files, flush: bool = True):
     """Ask the kernel to forget the files' cached pages (no root needed), so the next read comes
-    from the disk; written pages are flushed first, since dirty ones cannot be dropped."""
+    from the disk; with `flush`, written pages are flushed first, since dirty ones cannot be
+    dropped (installed libraries have none)."""
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            if flush:
+                os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -594,10 +596,10 @@ def main(argv=None) -> int:
             loading["disk_read_gb_per_s"] = rate / 1e9
             drop_from_page_cache(files)
         if args.fresh:
-            from jax._src import xla_bridge
-            if getattr(xla_bridge, "backends_are_initialized", lambda: False)():  # mapped: cached
+            started = getattr(jax._src.xla_bridge, "backends_are_initialized", lambda: False)
+            if started():  # its libraries are mapped, so they stay cached
                 log("bench: --fresh: the backend started before the load; its libraries stay cached")
-            drop_from_page_cache(backend_library_files())
+            drop_from_page_cache(backend_library_files(), flush=False)
         t0 = time.perf_counter()
         params, disk_gb = _disk_gb_during(lambda: _wait(jaxllm.load(
             args.model, dtype=dtype, quant=args.quant, mesh=mesh, expert_parallel=args.expert_parallel)))
