@@ -1287,9 +1287,11 @@ def _prefetch(ref, programs: int, lanes: int, after):
 # the 8B shape's 1.45 ms layer at 2048 tokens on an H200, where one pass (read x and the delta,
 # write the sum and the normed sum) moves 67 MB, about 17 us. `add_norm` is that pass; the
 # 8B shape's 2048-token prefill took 48.84 ms with it against 49.42 without (bench, same run).
-# Decode steps at batch 32 keep XLA's form: the kernel lost, 4.87 against 4.82 ms a step. At
-# batch 1 it serves the norms before matrices too large for `project`'s kernel (which folds a
-# norm in itself): Llama-3.2-1B 0.847 against 0.868 ms a step, the 8B shape 3.958 against 4.003.
+# At batch 32, when XLA's GEMMs ran those steps, the kernel lost (4.87 against 4.82 ms a step);
+# with `rows_project`'s kernels it now takes o's output and the residual before gate/up (see
+# model._rows_block: 4.68-4.69 ms against 4.70-4.71). At batch 1 it serves the norms before
+# matrices too large for `project`'s kernel (which folds a norm in itself): Llama-3.2-1B 0.847
+# against 0.868 ms a step, the 8B shape 3.958 against 4.003.
 # "auto": the kernel on a GPU where `add_norm_mode` allows; "xla" never; "interpret" in Pallas'
 # interpreter (tests on the CPU).
 ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")

@@ -180,8 +180,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     # Residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then x_BTD through
     # the norm that comes next, made by the same pass. In a prefill always; in a decode step
     # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
-    # norm in itself) or a large int8 one (`kernels.project_folds_norm`); at batch 32 XLA's own
-    # fusions were faster (see kernels.ADD_NORM); there a dense float model takes `_rows_block`.
+    # norm in itself) or a large int8 one (`kernels.project_folds_norm`). A decode step of 8-32
+    # rows of a dense float model takes `_rows_block`, which pairs o's output with the residual
+    # so itself.
     fuse = None if axis is not None or (T == 1 and proj is None) else \
         kernels.add_norm_mode(params.dtype)
     normed_BTD = None
@@ -309,8 +310,14 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
 def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq, fused_args, *,
                 cfg: ModelConfig, window, mode: str, rope_scale, fused_static):
     """One decoder block of a decode step of 8-32 rows (`_rows_mode`), its matrices through
-    `kernels.rows_project`, whose kernels add the biases and residuals and make SwiGLU (the
-    norms XLA's): returns (x_BTD, kv)."""
+    `kernels.rows_project`, whose kernels add the biases and down's residual and make SwiGLU:
+    returns (x_BTD, kv). The norm before qkv is XLA's; o's output goes with the residual through
+    `kernels.add_norm`, whose kernel makes the FFN's normed input (its PDL signal lets gate/up's
+    kernel launch early). Against o adding the residual in its epilogue, XLA's norm after it,
+    same runs (H200, 2026-12-01, `.device/run125.sh`, `run127.sh`): the 8B shape at batch 32
+    4.6823-4.6924 ms a step against 4.6979-4.7120 in five alternating rounds, Mistral-7B
+    4.4817 and 4.4867 against 4.5210 and 4.5229; the norm before qkv through it too (down
+    without its residual) 4.6798 and 4.6904, no better, so that one stays XLA's."""
     eps = cfg.rms_norm_eps
     B, T, D = x_BTD.shape
     x_MD = x_BTD.reshape(B * T, D)
@@ -322,10 +329,12 @@ def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_fre
         heads_BTC, kv = _attention_block(cfg, layer, qkv_MC.reshape(B, T, *layer.wqkv.shape[:-1]),
                                          positions_BT, kv, cursor, mask_BTS, inv_freq, rope_scale,
                                          window, None, fused)
-        x_MD = project(heads_BTC.reshape(B * T, -1), layer.wo.reshape(layer.wo.shape[0], -1),
-                       bias_N=layer.bo, residual_MN=x_MD)
+        out_MD = project(heads_BTC.reshape(B * T, -1), layer.wo.reshape(layer.wo.shape[0], -1),
+                         bias_N=layer.bo)
+        x_MD, normed_MD = kernels.add_norm(x_MD, out_MD, layer.mlp_norm, eps,
+                                           mode=kernels.add_norm_mode(x_MD.dtype))
     with jax.named_scope("mlp"):
-        act_MF = project(x_MD, layer.w_gate_up, norm_C=layer.mlp_norm, swiglu=True)
+        act_MF = project(normed_MD, layer.w_gate_up, swiglu=True)
         x_MD = project(act_MF, layer.w_down, residual_MN=x_MD)
     return x_MD.reshape(B, T, D), kv
 

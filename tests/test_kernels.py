@@ -815,18 +815,22 @@ def test_rows_kernel_signals_dependents_only_from_32_padded_rows(monkeypatch):
                                              ("qwen3", True), ("llama_tied", False)])
 def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention):
     """A decode step of several rows (two here, ROWS_MIN lowered) runs every matrix through
-    `rows_project`'s kernel, o and down adding the residual; logits as the full forward's."""
+    `rows_project`'s kernel, down adding the residual, and o's output with the residual through
+    `add_norm`'s kernel (the FFN's normed input); logits as the full forward's."""
     m = tiny(name)
     monkeypatch.setattr(kernels, "ROWS_MIN", 2)
     monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)  # the tiny matrices count as large
+    monkeypatch.setattr(kernels, "ADD_NORM", "interpret")
     if attention:  # with the attention kernel too (qwen2_swa: biases and a window)
         monkeypatch.setattr(kernels, "DECODE_ATTENTION", "interpret")
     calls = spy(monkeypatch, "_rows_call", lambda x, w, bias, residual: residual is not None)
+    norms = spy(monkeypatch, "_add_norm_call", lambda x, delta, norm: x.shape[0])
     _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("ROWS_PROJECT"))
     # qkv, o, gate/up, down; the layers trace once per attention window (qwen2_swa: two kinds)
     cfg = m.params.config
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
-    assert calls == [False, True, False, True] * len(windows)
+    assert calls == [False, False, False, True] * len(windows)
+    assert norms.count(2) == len(windows)  # the decode steps' (the prefill's have 16 rows)
 
 
 def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
