@@ -312,12 +312,14 @@ def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_fre
     """One decoder block of a decode step of 8-32 rows (`_rows_mode`), its matrices through
     `kernels.rows_project`, whose kernels add the biases and down's residual and make SwiGLU:
     returns (x_BTD, kv). The norm before qkv is XLA's; o's output goes with the residual through
-    `kernels.add_norm`, whose kernel makes the FFN's normed input (its PDL signal lets gate/up's
-    kernel launch early). Against o adding the residual in its epilogue, XLA's norm after it,
-    same runs (H200, 2026-12-01, `.device/run125.sh`, `run127.sh`): the 8B shape at batch 32
-    4.6823-4.6924 ms a step against 4.6979-4.7120 in five alternating rounds, Mistral-7B
-    4.4817 and 4.4867 against 4.5210 and 4.5229; the norm before qkv through it too (down
-    without its residual) 4.6798 and 4.6904, no better, so that one stays XLA's."""
+    `kernels.add_norm`, whose kernel makes the FFN's normed input, rounded as before (the sum to
+    the model dtype, then the norm). Against o adding the residual in its epilogue and XLA's norm
+    after it, same runs (H200, 2026-12-01, `.device/run125.sh`, `run127.sh`): the 8B shape at
+    batch 32 4.6823-4.6924 ms a step against 4.6979-4.7120 in five alternating rounds, Mistral-7B
+    4.4817 and 4.4867 against 4.5210 and 4.5229; as landed, on a faster machine (`run128.sh`),
+    4.5662-4.5826 against 4.5951-4.6089. Our reading, not measured apart: add_norm's PDL signal
+    lets gate/up's kernel launch before it ends. The norm before qkv through it too (down without
+    its residual) took 4.6798 and 4.6904, no better, so that one stays XLA's."""
     eps = cfg.rms_norm_eps
     B, T, D = x_BTD.shape
     x_MD = x_BTD.reshape(B * T, D)
