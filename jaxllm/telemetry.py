@@ -8,7 +8,7 @@ ends before the cap acts (1980 MHz, 763 TFLOP/s); timed for 0.8 s it ran 702 (`.
 So a speed means little without the clock it ran at, and a rate compared with another should
 be measured under the same load. `scripts/bench.py` records this for each phase it times.
 
-    with telemetry.sample() as s:   # jax.devices()[0] unless a device is given
+    with telemetry.sample() as s:   # jax.devices()[0] unless a device (or a list) is given
         work()
     s.summary()  # {"sm_mhz": 1515, "sm_mhz_min": 1410, "power_w": 697.4, "power_capped_pct": 85.0, ...}
 
@@ -138,8 +138,28 @@ class Sampler:
                     power_limit_w=self.power_limit_w, samples=len(r), why=self.why)
 
 
+def slowest(reads: list[Callable[[], Reading]]) -> Callable[[], Reading]:
+    """One reading of several GPUs that work in step (a model sharded over them, each step waiting
+    for the slowest): the lowest SM clock among them, the highest power, and every GPU's
+    held-down reasons together."""
+    def read() -> Reading:
+        readings = [r() for r in reads]
+        reasons = 0
+        for x in readings:
+            reasons |= x.reasons
+        return Reading(min(x.sm_mhz for x in readings), max(x.power_w for x in readings), reasons)
+    return read
+
+
 def sample(device=None, interval_s: float = 0.02) -> Sampler:
-    """A `Sampler` of `device` (default: JAX's first device) for a `with` block."""
-    read, limit_w, why = reader(device)
-    return Sampler(read, interval_s, limit_w, why)
+    """A `Sampler` for a `with` block of `device` (default: JAX's first device), or of a list of
+    devices that work in step (`slowest`): its power limit is then the lowest of theirs."""
+    if not isinstance(device, (list, tuple)):
+        read, limit_w, why = reader(device)
+        return Sampler(read, interval_s, limit_w, why)
+    found = [reader(d) for d in device]
+    why = next((w for _, _, w in found if w is not None), None if found else "no devices given")
+    if why is not None:
+        return Sampler(None, interval_s, None, why)
+    return Sampler(slowest([r for r, _, _ in found]), interval_s, min(lim for _, lim, _ in found))
 

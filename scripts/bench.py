@@ -56,9 +56,11 @@ and a matmul past its first 75 ms: see jaxllm.telemetry). So the probes' copy_tb
 matmul_tflops are rates after SUSTAIN_S of the same work, the prefill is timed after SUSTAIN_S of
 prefills, and the *_burst rates are each probe's first 10 x 5 calls. PHASE_sm_mhz (median),
 PHASE_sm_mhz_min, PHASE_power_w (median) and PHASE_power_capped_pct (share of NVML readings with
-the clocks held down by a power cap, thermal or hardware slowdown) are the first device's, read
-every 20 ms while the phase was timed: copy and matmul (the probes, with --measure-peaks),
-prefill, decode (the timed generate calls). Null without NVML (a CPU, or no nvidia-ml-py).
+the clocks held down by a power cap, thermal or hardware slowdown) are read every 20 ms while the
+phase was timed: copy and matmul (the probes, with --measure-peaks, on one device), prefill,
+decode (the timed generate calls). With --tp N the prefill's and decode's are the N devices' in
+step: each reading the lowest clock among them, the highest power, and held down where any one
+was (jaxllm.telemetry.slowest). Null without NVML (a CPU, or no nvidia-ml-py).
 source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
 """
 
@@ -417,7 +419,9 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     lengths = np.asarray(out.lengths)
     if not (lengths == new).all():
         raise RuntimeError(f"generate stopped early (lengths {sorted(set(lengths.tolist()))}, wanted {new})")
-    with telemetry.sample() as decode_clock:
+    # A sharded model's devices, the slowest of which sets each step's pace; else the first.
+    clocked = None if params.tp is None else list(params.tp.mesh.devices.flat)
+    with telemetry.sample(clocked) as decode_clock:
         generate_s, generate_all = _median_time(generate, args.repeat)
     tokens, start, _ = pad_prompts(params, ids)
     cache_len = tokens.shape[1] + bucket(new)
@@ -445,7 +449,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < SUSTAIN_S:
         _wait(prefill())
-    with telemetry.sample() as prefill_clock:
+    with telemetry.sample(clocked) as prefill_clock:
         prefill_s, _ = _median_time(prefill, max(5, args.repeat))
     sample_s, _ = _median_time(lambda: jaxllm.sample(logits, key), 10)
     del logits

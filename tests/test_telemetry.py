@@ -110,3 +110,26 @@ def test_without_nvml_the_summary_is_empty_and_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml now raises ImportError
     read, _, why = telemetry.reader(types.SimpleNamespace(platform="gpu", local_hardware_id=0, id=0))
     assert read is None and "nvidia-ml-py" in why
+
+
+def test_devices_in_step_read_as_their_slowest(monkeypatch):
+    """A model sharded over several GPUs runs at the pace of the slowest: each reading takes the
+    lowest SM clock among them, the highest power and any one's held-down reasons; the power
+    limit is the lowest. A device NVML cannot read leaves the summary empty, saying why."""
+    nvml = _fake_pynvml(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    clocks, watts, reasons = {0: 1980, 1: 1515}, {0: 300_000, 1: 690_000}, {0: 0x1, 1: 0x4}
+    nvml.nvmlDeviceGetClockInfo = lambda h, kind: clocks[h[1]]
+    nvml.nvmlDeviceGetFieldValues = lambda h, ids: [types.SimpleNamespace(
+        nvmlReturn=0, value=types.SimpleNamespace(uiVal=watts[h[1]]))]
+    nvml.nvmlDeviceGetCurrentClocksEventReasons = lambda h: reasons[h[1]]
+    nvml.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000 if h[1] == 0 else 650_000
+    gpus = [types.SimpleNamespace(platform="gpu", local_hardware_id=i, id=i) for i in (0, 1)]
+    with telemetry.sample(gpus, interval_s=60) as s:
+        pass
+    assert s.readings[0] == Reading(1515, 690.0, 0x4 | 0x1)
+    got = s.summary()
+    assert (got["sm_mhz"], got["power_capped_pct"], got["power_limit_w"]) == (1515, 100.0, 650.0)
+    with telemetry.sample([gpus[0], jax.devices()[0]]) as s:  # the CPU in CI: no NVML there
+        pass
+    assert s.summary()["sm_mhz"] is None and "not an NVIDIA GPU" in s.summary()["why"]
