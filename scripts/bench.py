@@ -374,15 +374,20 @@ def _source_hash() -> str:
     return digest.hexdigest()[:12]
 
 
-def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices: int = 1) -> dict:
-    """The allocator's figures of the device using the most, beside what the request needs there."""
+def _model_devices(params) -> list:
+    """The devices the model runs on: a sharded model's mesh, else JAX's first device."""
     import jax
+    return jax.devices()[:1] if params.tp is None else list(params.tp.mesh.devices.flat)
 
+
+def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=None) -> dict:
+    """The allocator's figures of the device using the most (of `devices`, by default the
+    model's), beside what the request needs there."""
     from jaxllm import memory
 
     def peak_of(d):
         return (d.memory_stats() or {}).get("peak_bytes_in_use") or 0
-    device = max(jax.devices()[:devices], key=peak_of)
+    device = max(devices or _model_devices(params), key=peak_of)
     stats = device.memory_stats() or {}
     kv, act = memory.request_bytes(params, batch, tokens, cache_len, kv_dtype)
     need = memory.resident_bytes(params, device) + kv + act
@@ -419,15 +424,15 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     lengths = np.asarray(out.lengths)
     if not (lengths == new).all():
         raise RuntimeError(f"generate stopped early (lengths {sorted(set(lengths.tolist()))}, wanted {new})")
-    # A sharded model's devices, the slowest of which sets each step's pace; else the first.
-    clocked = None if params.tp is None else list(params.tp.mesh.devices.flat)
-    with telemetry.sample(clocked) as decode_clock:
+    # The model's devices: a sharded one's slowest sets each step's pace, and its fullest the peak.
+    model_devices = _model_devices(params)
+    with telemetry.sample(model_devices) as decode_clock:
         generate_s, generate_all = _median_time(generate, args.repeat)
     tokens, start, _ = pad_prompts(params, ids)
     cache_len = tokens.shape[1] + bucket(new)
     # Memory now: the prefill below, a program of its own, held 1.4-2.7 times what generate's
     # whole loop did beside the weights (SmolLM2, Qwen3-0.6B; `.device/probe_stage.py`).
-    memory = _memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, label["tp"])
+    memory = _memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, model_devices)
 
     # Prefill alone: one jitted program that, like generate's, allocates a fresh cache of the
     # length generate plans for these prompts and runs `step` over the padded prompt, compiled
@@ -449,7 +454,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < SUSTAIN_S:
         _wait(prefill())
-    with telemetry.sample(clocked) as prefill_clock:
+    with telemetry.sample(model_devices) as prefill_clock:
         prefill_s, _ = _median_time(prefill, max(5, args.repeat))
     sample_s, _ = _median_time(lambda: jaxllm.sample(logits, key), 10)
     del logits
