@@ -185,7 +185,16 @@ def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool):
     whose router logits often collide; they decide only which expert wins the last slot.
     Returns (experts_MA int32, weights_MA float32).
     """
-    logits_ME = jnp.einsum("MD,ED->ME", x_MD, router_ED)
+    return pick_experts(router_logits(x_MD, router_ED), experts_per_token, norm_topk_prob)
+
+
+def router_logits(x_MD, router_ED):
+    """[M, E] in the model dtype: the router's linear layer (no bias)."""
+    return jnp.einsum("MD,ED->ME", x_MD, router_ED)
+
+
+def pick_experts(logits_ME, experts_per_token: int, norm_topk_prob: bool):
+    """`route` from the router's logits: (experts_MA int32, weights_MA float32)."""
     probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
     weights_MA, experts_MA = jax.lax.top_k(probs_ME, experts_per_token)
     if norm_topk_prob:
@@ -341,7 +350,8 @@ def _experts_ragged(x_MD, experts_MA, gate_up_EJFD, down_EDF):
 
 
 def moe(x_BTD, router_ED, experts_gate_up_EJFD, experts_down_EDF, experts_per_token: int,
-        norm_topk_prob: bool, *, path: str | None = None, expert_axis: str | None = None):
+        norm_topk_prob: bool, *, path: str | None = None, expert_axis: str | None = None,
+        routes=None):
     """Sparse SwiGLU mixture of experts: each token through its top-A experts, weighted.
 
     The path follows `moe_path` (`path` forces "gather", "dense" or "ragged"). The
@@ -350,11 +360,13 @@ def moe(x_BTD, router_ED, experts_gate_up_EJFD, experts_down_EDF, experts_per_to
     experts split over that mesh axis (E per device, the router [E_total, D] replicated): each
     device routes all tokens, computes the assignments to its own experts and psums the result
     over the axis. If F is split as well (tensor parallel), the caller psums over that axis.
+    `routes`: (experts_MA, weights_MA) as `route` gives them, where the caller routed the tokens
+    itself (a kernel's routing, `kernels.route`); else this routes them.
     """
     B, T, D = x_BTD.shape
     E = experts_gate_up_EJFD.shape[0]
     x_MD = x_BTD.reshape(B * T, D)
-    experts_MA, weights_MA = route(x_MD, router_ED, experts_per_token, norm_topk_prob)
+    experts_MA, weights_MA = routes or route(x_MD, router_ED, experts_per_token, norm_topk_prob)
     local_MA = None
     if expert_axis is not None:
         experts_MA = experts_MA - jax.lax.axis_index(expert_axis) * E

@@ -97,8 +97,11 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
     split = (lambda local, total: axis is not None and sharding.is_split(local, total))
     if moe:
         experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
+        mode = kernels.route_mode(h_BTD.dtype)
+        routes = kernels.route(h_BTD.reshape(-1, h_BTD.shape[-1]), layer.router,
+                               cfg.experts_per_token, cfg.norm_topk_prob, mode=mode) if mode else None
         out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
-                        cfg.experts_per_token, cfg.norm_topk_prob,
+                        cfg.experts_per_token, cfg.norm_topk_prob, routes=routes,
                         expert_axis=axis if experts_split else None)  # moe psums expert splits itself
         partial_sum = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
     else:

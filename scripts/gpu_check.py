@@ -3,7 +3,7 @@
 
     python scripts/gpu_check.py [SECTION ...]   # decode_project rows_project decode_attention
                                                 # add_norm attention fresh_prefill generate_loop
-                                                # moe sharded
+                                                # moe route sharded
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
@@ -23,6 +23,8 @@
   through it (then decode steps reading its cache) against XLA;
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes;
+- `kernels.route` (a MoE layer's softmax and top-k) against XLA's routing, and prefill and
+  decode of MoE models of real widths routed by it;
 - on 2 GPUs or more, models split over two of them (tensor parallel) against one GPU.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
 logits 1.5e-2, MoE 7.2e-3.
@@ -355,6 +357,33 @@ def moe():
             L.GROUPED_GEMM = "auto"
 
 
+def route():
+    """`kernels.route` (a MoE layer's softmax and top-k in one kernel a token) against XLA's:
+    the same experts in the same order, the same weights to float32 rounding; then 4-layer
+    models of the MoE presets' widths, a ragged prefill and decode steps routed by the kernel
+    against XLA's routing."""
+    for E, A, norm in [(8, 2, True), (128, 8, True), (60, 4, False)]:
+        for M in [1, 16, 2048]:
+            keys = jax.random.split(jax.random.key(E * M), 2)
+            x = jax.random.normal(keys[0], (M, 2048), jnp.bfloat16).at[0].set(0)  # row 0: all tie
+            router = jax.random.normal(keys[1], (E, 2048), jnp.bfloat16) * 0.05
+            # The same bf16 logits into both (XLA may keep a fused product's excess precision).
+            logits = jax.jit(L.router_logits)(x, router)
+            want = jax.jit(L.pick_experts, static_argnums=(1, 2))(logits, A, norm)
+            got = kernels.pick_experts(logits, A, norm)
+            check(f"route E={E} A={A} M={M}: experts not as XLA's (fraction)",
+                  float(np.mean(np.asarray(got[0]) != np.asarray(want[0]))), 0)
+            check(f"route E={E} A={A} M={M}: weights", rel(got[1], want[1]), 1e-5)
+    # Not the same bits: the kernel takes the logits rounded to bf16 (as transformers' linear
+    # layer gives them), where XLA's fusion may keep its product's float32 (1.45e-2 and 8.6e-3
+    # on an H200, 2026-12-01), so the bound is that of the other kernels' model-level checks.
+    for name in ["mixtral-8x7b", "qwen3-30b-a3b"]:
+        cfg, params, tokens, start = _ragged_batch(name, seed=6)
+        outs = _decode_both_ways(cfg, params, tokens[:1], start[:1], ["ROUTE"])
+        check(f"{name} prefill + batch-1 decode routed by the kernel vs XLA, logits",
+              rel(outs["auto"][0], outs["xla"][0]), 3e-2)
+
+
 def generate_loop():
     """generate's on-device loop (one CUDA graph, conditional nodes included) stops each row at its
     own stop id: the tokens before it as in a run without stop ids, the length, padding after."""
@@ -440,7 +469,8 @@ if __name__ == "__main__":
         sys.exit(2)
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     sections = {f.__name__: f for f in (decode_project, rows_project, decode_attention, add_norm,
-                                          attention, fresh_prefill, generate_loop, moe, sharded)}
+                                          attention, fresh_prefill, generate_loop, moe, route,
+                                          sharded)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))

@@ -192,6 +192,24 @@ def test_router_matches_transformers(moe_model, name):
     np.testing.assert_allclose(got_weights, scores.numpy(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("E,A,norm", [(128, 8, True), (8, 2, True), (60, 4, False), (5, 5, True)])
+def test_routing_kernel_picks_as_xla(E, A, norm):
+    """kernels.route's kernel (interpreted) picks the experts layers.route picks, in its order,
+    with its weights: bf16 logits, tied experts (a duplicated router row; a zero row, where all
+    tie and the lowest ids win), E and A not powers of two."""
+    rng = np.random.default_rng(E + A)
+    x = jnp.asarray(rng.normal(size=(6, 32)), jnp.bfloat16).at[0].set(0)
+    router = rng.normal(size=(E, 32)).astype(np.float32)
+    router[E - 1] = router[1]  # a tie between experts 1 and E - 1
+    router = jnp.asarray(router, jnp.bfloat16)
+    want_ids, want_weights = L.route(x, router, A, norm)
+    ids, weights = kernels.route(x, router, A, norm, mode="interpret")
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
+    assert ids.dtype == jnp.int32 and weights.dtype == jnp.float32
+    np.testing.assert_array_equal(ids[0], np.arange(A))  # all tied: the lowest ids, in order
+
+
 # --- the MoE layer ---------------------------------------------------------------------------
 
 
@@ -391,14 +409,18 @@ def test_expert_parallel_matches_single_device():
 
 def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch):
     """A batch-1 decode step of a MoE model: o in project's kernel without its residual, then the
-    add with the expert layer's norm in add_norm's kernel (the experts stay on XLA), and the same
-    after the expert layer; interpreted, against XLA's forms."""
+    add with the expert layer's norm in add_norm's kernel, the tokens routed by route's kernel
+    (the experts stay on XLA), and the same add after the expert layer; interpreted, against
+    XLA's forms."""
     params = moe_model("mixtral").params
     ids = np.random.default_rng(5).integers(3, params.config.vocab_size, (1, 7)).astype(np.int32)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
-    runs = decode_per_mode(monkeypatch, params, ids, 4, ["DECODE_PROJECT", "ADD_NORM"])
+    routed = spy(monkeypatch, "pick_experts", lambda logits, *a: logits.shape[0])
+    runs = decode_per_mode(monkeypatch, params, ids, 4, ["DECODE_PROJECT", "ADD_NORM", "ROUTE"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     assert rows.count(1) == 2 * params.config.num_layers  # the decode step traced: 2 a layer
+    # The prefill's 4 tokens and each decode step's one, routed by the kernel in every MoE layer.
+    assert routed.count(4) == routed.count(1) == params.config.num_layers
 
 
 def test_decode_of_several_rows_keeps_moe_on_xla(moe_model, monkeypatch):
