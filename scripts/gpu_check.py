@@ -24,7 +24,7 @@
 - every MoE path (gather, dense, ragged with the Mosaic GPU grouped GEMM, ragged with XLA's
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes;
 - `kernels.route` (a MoE layer's softmax and top-k) against XLA's routing, and prefill and
-  decode of MoE models of real widths routed by it;
+  batch-1 decode of MoE models of real widths routed by it;
 - on 2 GPUs or more, models split over two of them (tensor parallel) against one GPU.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
 logits 1.5e-2, MoE 7.2e-3.
@@ -360,8 +360,8 @@ def moe():
 def route():
     """`kernels.route` (a MoE layer's softmax and top-k in one kernel a token) against XLA's:
     the same experts in the same order, the same weights to float32 rounding; then 4-layer
-    models of the MoE presets' widths, a ragged prefill and decode steps routed by the kernel
-    against XLA's routing."""
+    models of the MoE presets' widths, a prefill and batch-1 decode steps routed by the kernel
+    against XLA's routing, and generate's tokens unchanged with the PDL signals off."""
     for E, A, norm in [(8, 2, True), (128, 8, True), (60, 4, False)]:
         for M in [1, 16, 2048]:
             keys = jax.random.split(jax.random.key(E * M), 2)
@@ -382,6 +382,10 @@ def route():
         outs = _decode_both_ways(cfg, params, tokens[:1], start[:1], ["ROUTE"])
         check(f"{name} prefill + batch-1 decode routed by the kernel vs XLA, logits",
               rel(outs["auto"][0], outs["xla"][0]), 3e-2)
+        ids = [np.asarray(tokens[0, :40]).tolist()]
+        run = lambda: np.asarray(jaxllm.generate(params, ids, max_new_tokens=24, eos_token_ids=[]).tokens)
+        check(f"{name} generate with kernels signalling their dependents early, a token differs (1 = yes)",
+              float(not (_with_switches({"PDL_TRIGGER": False}, run) == run()).all()), 0)
 
 
 def generate_loop():

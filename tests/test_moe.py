@@ -407,20 +407,24 @@ def test_expert_parallel_matches_single_device():
     assert proc.returncode == 0 and "expert parallel ok" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch):
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_mixed"])
+def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch, name):
     """A batch-1 decode step of a MoE model: o in project's kernel without its residual, then the
-    add with the expert layer's norm in add_norm's kernel, the tokens routed by route's kernel
+    add with the expert layer's norm in add_norm's kernel, the token routed by route's kernel
     (the experts stay on XLA), and the same add after the expert layer; interpreted, against
     XLA's forms."""
-    params = moe_model("mixtral").params
-    ids = np.random.default_rng(5).integers(3, params.config.vocab_size, (1, 7)).astype(np.int32)
+    params = moe_model(name).params
+    cfg = params.config
+    ids = np.random.default_rng(5).integers(3, cfg.vocab_size, (1, 7)).astype(np.int32)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     routed = spy(monkeypatch, "pick_experts", lambda logits, *a: logits.shape[0])
     runs = decode_per_mode(monkeypatch, params, ids, 4, ["DECODE_PROJECT", "ADD_NORM", "ROUTE"])
     assert rel_err(runs[1], runs[0]) < 1e-5
-    assert rows.count(1) == 2 * params.config.num_layers  # the decode step traced: 2 a layer
+    sparse = sum(cfg.moe_layers)
+    # The decode step traced: 2 a MoE layer (a dense one's norms fold into project's kernels).
+    assert rows.count(1) == 2 * sparse
     # The prefill's 4 tokens and each decode step's one, routed by the kernel in every MoE layer.
-    assert routed.count(4) == routed.count(1) == params.config.num_layers
+    assert routed.count(4) == routed.count(1) == sparse
 
 
 def test_decode_of_several_rows_keeps_moe_on_xla(moe_model, monkeypatch):
