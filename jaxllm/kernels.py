@@ -1417,7 +1417,9 @@ def _store_digits(v, cols, digits_ref, factor_ref):
 # 6.540 against 6.628. Measured and dropped beside it: the chosen experts' gate/up with SwiGLU,
 # and their down with the weighted sum, as two kernels of `project`'s kind reading each expert's
 # rows by its id, where XLA runs four kernels: Qwen3-30B-A3B at batch 1 2.520 and 2.515 ms a step
-# against 2.451 and 2.447 (2 output rows a program; 4 rows of gate/up 2.569, 4 of down 2.648).
+# against 2.451 and 2.447 (2 output rows a program; 4 rows of gate/up 2.569, 4 of down 2.648);
+# and the router's product in the `add_norm` kernel before the layer, 2.5115 and 2.5043 against
+# 2.4776 and 2.5170 (another machine), Mixtral-8x7B 6.4012 against 6.3494.
 # "auto": the kernel on a GPU for float16/bfloat16 models; "xla" never; "interpret" in Pallas'
 # interpreter (tests on the CPU).
 ROUTE = os.environ.get("JAXLLM_ROUTE", "auto")
