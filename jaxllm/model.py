@@ -97,7 +97,8 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
     split = (lambda local, total: axis is not None and sharding.is_split(local, total))
     if moe:
         experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
-        mode = kernels.route_mode(h_BTD.dtype)
+        # The routing kernel outside shard_map only: inside it, not yet run on GPUs.
+        mode = kernels.route_mode(h_BTD.dtype) if axis is None else None
         routes = kernels.route(h_BTD.reshape(-1, h_BTD.shape[-1]), layer.router,
                                cfg.experts_per_token, cfg.norm_topk_prob, mode=mode) if mode else None
         out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
