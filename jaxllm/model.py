@@ -98,9 +98,9 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
     if moe:
         experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
         # The routing kernel outside shard_map only: inside it, not yet run on GPUs.
-        mode = kernels.route_mode(h_BTD.dtype) if axis is None else None
         routes = kernels.route(h_BTD.reshape(-1, h_BTD.shape[-1]), layer.router,
-                               cfg.experts_per_token, cfg.norm_topk_prob, mode=mode) if mode else None
+                               cfg.experts_per_token, cfg.norm_topk_prob,
+                               mode=kernels.route_mode(h_BTD.dtype) if axis is None else None)
         out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
                         cfg.experts_per_token, cfg.norm_topk_prob, routes=routes,
                         expert_axis=axis if experts_split else None)  # moe psums expert splits itself
