@@ -3,7 +3,7 @@
 
     python scripts/gpu_check.py [SECTION ...]   # decode_project rows_project decode_attention
                                                 # add_norm attention fresh_prefill generate_loop
-                                                # moe route sharded
+                                                # moe route swiglu sharded
 
 - `layers.causal_attention` through cuDNN against float32, with and without a sliding window;
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
@@ -25,6 +25,8 @@
   ragged_dot) against the dense path in float32, at Mixtral and Qwen3-30B-A3B layer shapes;
 - `kernels.route` (a MoE layer's softmax and top-k) against XLA's routing, and prefill and
   batch-1 decode of MoE models of real widths routed by it;
+- the gathered experts' SwiGLU in one variadic reduction against a reduction and a multiply
+  after it: the same bits in decode steps and generate (Qwen3-30B-A3B in bf16 and int8, Mixtral);
 - on 2 GPUs or more, models split over two of them (tensor parallel) against one GPU.
 Bounds are a few times the bf16 errors seen on an H200 (2026-11-29): attention 3.5e-3, prefill
 logits 1.5e-2, MoE 7.2e-3.
@@ -388,6 +390,33 @@ def route():
               float(not (_with_switches({"PDL_TRIGGER": False}, run) == run()).all()), 0)
 
 
+def swiglu():
+    """The gathered experts' SwiGLU as one variadic reduction (`layers.MOE_SWIGLU_REDUCE`) against
+    one reduction and a multiply kernel: the same bits. 4-layer models of the MoE presets' widths
+    (Qwen3-30B-A3B in bf16 and int8), a prefill and batch-1 decode steps, then generate."""
+    def both(run):
+        outs = []
+        for on in (True, False):
+            L.MOE_SWIGLU_REDUCE = on
+            jax.clear_caches()
+            outs.append(run())
+        L.MOE_SWIGLU_REDUCE = True
+        jax.clear_caches()
+        return outs
+    for name, int8 in [("qwen3-30b-a3b", False), ("qwen3-30b-a3b", True), ("mixtral-8x7b", False)]:
+        cfg, params, tokens, start = _ragged_batch(name, seed=7)
+        if int8:
+            params = quantize_params(params)
+        on, off = both(lambda: np.asarray(_decode_both_ways(cfg, params, tokens[:1], start[:1], [])["auto"][0]))
+        check(f"{name}{' int8' if int8 else ''} decode logits, SwiGLU in the reduction vs after it "
+              "(largest difference)", float(np.abs(on - off).max()), 0)
+        ids = [np.asarray(tokens[0, :40]).tolist()]
+        run = lambda: np.asarray(jaxllm.generate(params, ids, max_new_tokens=24, eos_token_ids=[]).tokens)
+        on, off = both(run)
+        check(f"{name}{' int8' if int8 else ''} generate, a token differs (1 = yes)",
+              float(not (on == off).all()), 0)
+
+
 def generate_loop():
     """generate's on-device loop (one CUDA graph, conditional nodes included) stops each row at its
     own stop id: the tokens before it as in a run without stop ids, the length, padding after."""
@@ -474,7 +503,7 @@ if __name__ == "__main__":
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     sections = {f.__name__: f for f in (decode_project, rows_project, decode_attention, add_norm,
                                           attention, fresh_prefill, generate_loop, moe, route,
-                                          sharded)}
+                                          swiglu, sharded)}
     for name in sys.argv[1:] or sections:  # by default all; or the named ones
         sections[name]()
     print(f"gpu_check: {len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))

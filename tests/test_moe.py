@@ -30,6 +30,7 @@ from jaxllm.config import ModelConfig, RopeConfig
 from kernel_modes import decode_per_mode, spy
 from tiny_models import rel_err
 from jaxllm.params import abstract_params
+from jaxllm.quant import quantize
 
 VOCAB = 256
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -279,6 +280,25 @@ def test_path_choice_on_real_shapes():
     assert L.moe_path(64, 8, 128, decode=True) == "dense"
     assert L.moe_path(1, 2, 1) == "ragged"  # one local expert (expert parallel over 8): grouping
     assert L.moe_path(1, 2, 1, decode=True) == "dense"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_gathered_swiglu_in_one_reduction_keeps_the_bits(dtype, monkeypatch):
+    """The gather path's gate and up sums as one variadic reduction (SwiGLU made on its sums)
+    give the bits of one reduction and a multiply after it, for float and int8 experts."""
+    _, gate_up, _ = _random_experts(8, 64, 48, seed=3)
+    gate_up = jnp.asarray(gate_up, jnp.float32 if dtype == "float32" else jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 64)), gate_up.dtype)
+    if dtype == "int8":
+        gate_up = quantize(gate_up)
+    experts = jnp.asarray([[0, 5], [7, 2], [3, 3]], jnp.int32)
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(L, "MOE_SWIGLU_REDUCE", on)
+        swiglu = jax.jit(lambda *a: L._gathered_swiglu(*a))  # traced afresh: the switch is read then
+        outs[on] = np.asarray(swiglu(x, gate_up, experts).astype(jnp.float32))
+    assert outs[True].shape == (3, 2, 48) and np.abs(outs[True]).max() > 0
+    np.testing.assert_array_equal(outs[True], outs[False])
 
 
 def test_gather_path_work_does_not_grow_with_experts():
