@@ -271,10 +271,10 @@ def _gathered_swiglu(x_MD, gate_up_EJFD, experts_MA):
     x32_M11C = x_MD.astype(jnp.float32)[:, None, None, :]
     w_MAJFC = w_EJFC[experts_MA]
     scale_JMAF = None if scale is None else jnp.moveaxis(scale[experts_MA], 2, 0)
+    products = tuple(x32_M11C * w_MAJFC[:, :, j].astype(jnp.float32) for j in (0, 1))
     zero = jnp.zeros((), jnp.float32)
-    gate_MAF, up_MAF = jax.lax.reduce(
-        (x32_M11C * w_MAJFC[:, :, 0].astype(jnp.float32), x32_M11C * w_MAJFC[:, :, 1].astype(jnp.float32)),
-        (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,))
+    gate_MAF, up_MAF = jax.lax.reduce(products, (zero, zero),
+                                      lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,))
     if scale_JMAF is not None:
         gate_MAF, up_MAF = gate_MAF * scale_JMAF[0], up_MAF * scale_JMAF[1]
     return jax.nn.silu(gate_MAF.astype(x_MD.dtype)) * up_MAF.astype(x_MD.dtype)

@@ -393,7 +393,8 @@ def route():
 def swiglu():
     """The gathered experts' SwiGLU as one variadic reduction (`layers.MOE_SWIGLU_REDUCE`) against
     one reduction and a multiply kernel: the same bits. 4-layer models of the MoE presets' widths
-    (Qwen3-30B-A3B in bf16 and int8), a prefill and batch-1 decode steps, then generate."""
+    (Qwen3-30B-A3B in bf16 and int8, Mixtral-8x7B), a prefill and batch-1 decode steps, then
+    generate."""
     def both(run):
         outs = []
         for on in (True, False):
