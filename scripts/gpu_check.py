@@ -70,38 +70,43 @@ def _ragged_batch(name: str, seed: int):
     return cfg, random_params(cfg), tokens, jnp.asarray([0, 100, 255], jnp.int32)
 
 
-def _with_switches(switches: dict, run):
-    """run() with the module flags of `kernels` set as `switches` says, jit caches cleared
-    around it, the flags restored after."""
-    saved = {name: getattr(kernels, name) for name in switches}
+def _with_switches(switches: dict, run, module=kernels):
+    """run() with the module flags of `module` (`kernels` by default) set as `switches` says, jit
+    caches cleared around it, the flags restored after."""
+    saved = {name: getattr(module, name) for name in switches}
     for name, value in switches.items():
-        setattr(kernels, name, value)
+        setattr(module, name, value)
     jax.clear_caches()
     try:
         return run()
     finally:
         for name, value in saved.items():
-            setattr(kernels, name, value)
+            setattr(module, name, value)
         jax.clear_caches()
 
 
-def _decode_both_ways(cfg, params, tokens, start, switches):
-    """A fresh prefill of `tokens`, then 8 decode steps of the same tokens, with the kernels named
-    by `switches` (module flags of `kernels`) on ("auto"), then off ("xla"):
-    {mode: (logits [B, 8, V], layer 3's cache k at the 8 new slots)}."""
+def _prefill_and_decode(cfg, params, tokens, start):
+    """A fresh prefill of `tokens`, then 8 decode steps of the same tokens: (logits [B, 8, V],
+    layer 3's cache k at the 8 new slots)."""
     step = jax.jit(model.step, static_argnames="fresh")
+    cache = init_cache(cfg, tokens.shape[0], 320, params.dtype, start)
+    logits, cache = step(params, tokens, cache, fresh=True)
+    steps = []
+    for t in range(8):  # the same tokens in every run, so the steps stay comparable
+        logits, cache = step(params, tokens[:, t:t + 1], cache)
+        steps.append(logits)
+    return jnp.stack(steps, 1), cache.k[3][:, :, 256:264]
+
+
+def _decode_both_ways(cfg, params, tokens, start, switches):
+    """`_prefill_and_decode` with the kernels named by `switches` (module flags of `kernels`) on
+    ("auto"), then off ("xla"): {mode: (logits [B, 8, V], layer 3's cache k at the 8 new slots)}."""
     outs = {}
     for mode in ("auto", "xla"):
         for switch in switches:
             setattr(kernels, switch, mode)
         jax.clear_caches()
-        cache = init_cache(cfg, tokens.shape[0], 320, params.dtype, start)
-        logits, cache = step(params, tokens, cache, fresh=True)
-        steps = []
-        for t in range(8):  # the same tokens in both modes, so the steps stay comparable
-            logits, cache = step(params, tokens[:, t:t + 1], cache)
-            steps.append(logits)
-        outs[mode] = jnp.stack(steps, 1), cache.k[3][:, :, 256:264]
+        outs[mode] = _prefill_and_decode(cfg, params, tokens, start)
     for switch in switches:
         setattr(kernels, switch, "auto")
     return outs
@@ -395,25 +400,18 @@ def swiglu():
     one reduction and a multiply kernel: the same bits. 4-layer models of the MoE presets' widths
     (Qwen3-30B-A3B in bf16 and int8, Mixtral-8x7B), a prefill and batch-1 decode steps, then
     generate."""
-    def both(run):
-        outs = []
-        for on in (True, False):
-            L.MOE_SWIGLU_REDUCE = on
-            jax.clear_caches()
-            outs.append(run())
-        L.MOE_SWIGLU_REDUCE = True
-        jax.clear_caches()
-        return outs
+    def on_and_off(run):  # run() with the switch on (as it stands), then off
+        return run(), _with_switches({"MOE_SWIGLU_REDUCE": False}, run, module=L)
     for name, int8 in [("qwen3-30b-a3b", False), ("qwen3-30b-a3b", True), ("mixtral-8x7b", False)]:
         cfg, params, tokens, start = _ragged_batch(name, seed=7)
         if int8:
             params = quantize_params(params)
-        on, off = both(lambda: np.asarray(_decode_both_ways(cfg, params, tokens[:1], start[:1], [])["auto"][0]))
+        on, off = on_and_off(lambda: np.asarray(_prefill_and_decode(cfg, params, tokens[:1], start[:1])[0]))
         check(f"{name}{' int8' if int8 else ''} decode logits, SwiGLU in the reduction vs after it "
               "(largest difference)", float(np.abs(on - off).max()), 0)
         ids = [np.asarray(tokens[0, :40]).tolist()]
         run = lambda: np.asarray(jaxllm.generate(params, ids, max_new_tokens=24, eos_token_ids=[]).tokens)
-        on, off = both(run)
+        on, off = on_and_off(run)
         check(f"{name}{' int8' if int8 else ''} generate, a token differs (1 = yes)",
               float(not (on == off).all()), 0)
 
