@@ -101,15 +101,8 @@ def _prefill_and_decode(cfg, params, tokens, start):
 def _decode_both_ways(cfg, params, tokens, start, switches):
     """`_prefill_and_decode` with the kernels named by `switches` (module flags of `kernels`) on
     ("auto"), then off ("xla"): {mode: (logits [B, 8, V], layer 3's cache k at the 8 new slots)}."""
-    outs = {}
-    for mode in ("auto", "xla"):
-        for switch in switches:
-            setattr(kernels, switch, mode)
-        jax.clear_caches()
-        outs[mode] = _prefill_and_decode(cfg, params, tokens, start)
-    for switch in switches:
-        setattr(kernels, switch, "auto")
-    return outs
+    run = lambda: _prefill_and_decode(cfg, params, tokens, start)
+    return {mode: _with_switches(dict.fromkeys(switches, mode), run) for mode in ("auto", "xla")}
 
 
 def attention():
