@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxllm import layers as L
-from jaxllm.quant import QuantizedWeight
+from jaxllm.quant import QuantizedWeight, stored
 
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).
@@ -573,7 +573,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
         warps = PROJECT_WARPS
     interpret = mode == "interpret"
     ahead = () if interpret else tuple(  # int8 bytes only: the scales are few
-        w.q if isinstance(w, QuantizedWeight) else w for w in prefetch if prefetched(w))
+        stored(w) for w in prefetch if prefetched(w))
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead, eps=eps,
                                 swiglu=swiglu, out_dtype=jnp.dtype(out_dtype), rows=rows,
                                 chunk=chunk, warps=warps, interpret=interpret,
@@ -1223,7 +1223,7 @@ def prefetched(w) -> bool:
     use: on a GPU from Hopper on, for at most PREFETCH_MAX_BYTES."""
     if w is None or _PREFETCH_P is None or L.gpu_generation() < 9:
         return False
-    w = w.q if isinstance(w, QuantizedWeight) else w
+    w = stored(w)
     return w.size * jnp.dtype(w.dtype).itemsize <= PREFETCH_MAX_BYTES
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from jaxllm.config import ModelConfig
-from jaxllm.quant import QuantizedWeight
+from jaxllm.quant import weight_leaves
 
 
 @struct.dataclass
@@ -225,8 +225,7 @@ class _Axes:
 
 def param_count(params: Params) -> int:
     """Weights of the model; an int8 matrix counts its values, not its per-channel scales."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    return sum(int(np.prod(x.shape)) for x in leaves)
+    return sum(int(np.prod(x.shape)) for x in weight_leaves(params))
 
 
 def leaf_paths(params) -> list[str]:

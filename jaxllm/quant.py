@@ -118,10 +118,20 @@ def quantizing_place(dtype, tied: bool):
     return place
 
 
+def stored(w):
+    """The array holding w's streamed bytes: a `QuantizedWeight`'s int8 values (its scales are
+    few), any other weight itself."""
+    return w.q if isinstance(w, QuantizedWeight) else w
+
+
+def weight_leaves(tree) -> list:
+    """tree's leaves, each `QuantizedWeight` one leaf rather than its values and scales."""
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
 def is_quantized(params: Params) -> bool:
     """Whether any of params' matrices is a `QuantizedWeight`."""
-    return any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
-        params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    return any(isinstance(x, QuantizedWeight) for x in weight_leaves(params))
 
 
 def quantize_params(params: Params, mode: str = "int8") -> Params:

@@ -385,10 +385,8 @@ def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=N
     model's), beside what the request needs there."""
     from jaxllm import memory
 
-    def peak_of(d):
-        return (d.memory_stats() or {}).get("peak_bytes_in_use") or 0
-    device = max(devices or _model_devices(params), key=peak_of)
-    stats = device.memory_stats() or {}
+    stats, device = max(((d.memory_stats() or {}, d) for d in devices or _model_devices(params)),
+                        key=lambda pair: pair[0].get("peak_bytes_in_use") or 0)
     kv, act = memory.request_bytes(params, batch, tokens, cache_len, kv_dtype)
     need = memory.resident_bytes(params, device) + kv + act
     peak = stats.get("peak_bytes_in_use")

@@ -350,8 +350,7 @@ def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypa
     assert quant.is_quantized(got) and jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
-    matrices = [w.q.shape for w in jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
-                if isinstance(w, quant.QuantizedWeight)]
+    matrices = [w.q.shape for w in quant.weight_leaves(got) if isinstance(w, quant.QuantizedWeight)]
     assert len(float_bytes) == sum(-(-s[0] // presets._rows_per_piece(s)) for s in matrices)
     # At every piece: no float matrix on the device but those the int8 params keep (the untied
     # embedding, drawn first).

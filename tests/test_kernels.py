@@ -18,7 +18,7 @@ import jaxllm
 from jaxllm import kernels
 from jaxllm import layers as L
 from jaxllm.cache import init_cache
-from jaxllm.quant import QuantizedWeight, quantize, quantize_params
+from jaxllm.quant import QuantizedWeight, quantize, quantize_params, weight_leaves
 from kernel_modes import decode_per_mode, prefill_and_decode, spy
 from tiny_models import random_tokens, rel_err
 
@@ -559,9 +559,8 @@ def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits
     monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", math.prod(head.shape) - 1)
     monkeypatch.setattr(kernels, "INT8_HEAD_DIGITS", head_digits)
     monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide it
-    quantized = lambda a: isinstance(a, QuantizedWeight)
     assert all(math.prod(w.shape) < math.prod(head.shape)
-               for w in jax.tree.leaves(params.layers[0], is_leaf=quantized) if quantized(w))
+               for w in weight_leaves(params.layers[0]) if isinstance(w, QuantizedWeight))
     digit_calls = spy(monkeypatch, "_digits_call", lambda row, w, *a: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), prompt,
                            ["DECODE_PROJECT", "ADD_NORM"])
