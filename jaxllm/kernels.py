@@ -577,6 +577,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead, eps=eps,
                                 swiglu=swiglu, out_dtype=jnp.dtype(out_dtype), rows=rows,
                                 chunk=chunk, warps=warps, interpret=interpret,
+                                lines=PREFETCH_LINES and not weights_first,
                                 weights_first=weights_first and heads is None and C <= chunk,
                                 squares_last=SQUARES_LAST and float_w)
 
@@ -793,10 +794,10 @@ def _project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "out_dtype", "rows", "chunk",
                                              "warps", "interpret", "weights_first",
-                                             "squares_last"))
+                                             "squares_last", "lines"))
 def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, eps, swiglu,
                          out_dtype, rows, chunk, warps, interpret, weights_first=False,
-                         squares_last=False):
+                         squares_last=False, lines=False):
     """The pallas_call of `project`: one program per `rows` output channels."""
     scales = None
     if isinstance(w_NC, QuantizedWeight):
@@ -845,7 +846,7 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
         scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
         heads=heads, permute_int8=not interpret and INT8_CONVERT == "permute",
         trigger=_pdl_trigger(interpret), ahead=len(ahead), grid=width // rows, lanes=32 * warps,
-        weights_first=weights_first, squares_last=squares_last or weights_first)
+        weights_first=weights_first, squares_last=squares_last or weights_first, lines=lines)
     return pl.pallas_call(
         kernel, grid=(width // rows,), in_specs=specs,
         out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
@@ -856,7 +857,7 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
 
 def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads,
                     permute_int8=False, trigger=False, ahead=0, grid=1, lanes=128,
-                    weights_first=False, squares_last=False):
+                    weights_first=False, squares_last=False, lines=False):
     """One program: `project` for a few output channels, reading their weight rows in as few
     chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
     on memory once per chunk, not once per loop step of a pipelined tile. With `heads` (splits,
@@ -903,7 +904,7 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
         if norm and squares_last:
             squares = squares + jnp.sum(raw * raw, axis=1)
     for ref in ahead_refs:  # once this program's weights are in: they go first
-        _prefetch(ref, grid, lanes, after=jnp.sum(ys[-1]))
+        _prefetch(ref, grid, lanes, after=jnp.sum(ys[-1]), lines=lines)
     if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
         ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]
     ys = [y if s_ref is None else y * s_ref[...] for y, s_ref in zip(ys, s_refs)]
@@ -1186,11 +1187,30 @@ setp.ne.s32 p, $2, 0;
 @p cp.async.bulk.prefetch.L2.global [$1], $2;
 mov.b32 $0, 0;
 }"""
+# Where a layer's weights come from HBM (not `weights_first`), the kernel asks a line at a time
+# instead (`prefetch.global.L2::evict_last`, up to PREFETCH_LINE_COUNT lines of 128 bytes a lane,
+# the pieces dealt over every program's lanes): the bulk copy holds the asking kernel open until
+# what it asked for has come (our reading of the traces above), a line asked for does not. Of
+# the presets only Qwen3-0.6B's layers ask so: its o projection (4 MB), and in int8 its qkv, o
+# and down. On H200s (bench, batch 1, prompt 128 + 256 new, --repeat 2, alternating in each run):
+# Qwen3-0.6B 0.6610 and 0.6609 ms a step against 0.6700, 0.6644 and 0.6621 (2026-12-01,
+# `.device/run179.sh`); 0.6695, 0.6654 and 0.6631 against 0.6779, 0.6699 and 0.6711 on another
+# machine (`run180.sh`); in session 41, on a third, 0.6585-0.6692 against 0.6665-0.6759. In int8
+# 0.6098 and 0.6086 against 0.6114 and 0.6156. In SmolLM2's weights-first layers, whose every
+# matrix is asked for, lines lost (0.4089 and 0.3983 against 0.3898 and 0.3936), so they keep
+# the bulk copy. The tokens of `generate` are the same either way (`scripts/gpu_check.py`).
+# JAXLLM_PREFETCH_LINES=0 turns lines off (the bulk copy everywhere).
+PREFETCH_LINES = os.environ.get("JAXLLM_PREFETCH_LINES", "1") != "0"
+PREFETCH_LINE_COUNT = 16  # lines one lane asks for, at most: a matrix needing more is not asked for
+_PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
+    f"setp.gt.s32 p, $2, {128 * i};\n@p prefetch.global.L2::evict_last [$1+{128 * i}];\n"
+    for i in range(PREFETCH_LINE_COUNT)) + "mov.b32 $0, 0;\n}"
 
 
-def _prefetch_primitive():
+def _prefetch_primitive(asm: str, name: str):
     """The primitive (ref, element offsets [n], byte counts [n]) -> int32 [n] zeros that asks L2
-    for those ranges of ref (a count of 0 asks nothing), or None where JAX's internals differ."""
+    for those ranges of ref by `asm` (a count of 0 asks nothing), or None where JAX's internals
+    differ."""
     try:
         from jax._src import core as jax_core
         from jax._src.interpreters import partial_eval as pe
@@ -1200,7 +1220,7 @@ def _prefetch_primitive():
         add, broadcast = triton_lowering._add, triton_lowering._bcast_to
     except (ImportError, AttributeError):
         return None
-    prim = jax_core.Primitive("jaxllm_l2_prefetch")
+    prim = jax_core.Primitive(name)
     prim.def_abstract_eval(lambda ref, offsets, counts: jax_core.ShapedArray(offsets.shape, jnp.int32))
     pe.dce_rules[prim] = lambda used, eqn: ([True] * len(eqn.invars), eqn)  # its effect is the point
 
@@ -1209,13 +1229,14 @@ def _prefetch_primitive():
         shape = ctx.avals_in[1].shape
         out = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32))
         return tt_dialect.elementwise_inline_asm(
-            [out], _PREFETCH_ASM, constraints="=r,l,r", pure=False, packed_element=1,
+            [out], asm, constraints="=r,l,r", pure=False, packed_element=1,
             args=[add(broadcast(ptr, shape), offsets), counts])
 
     return prim
 
 
-_PREFETCH_P = _prefetch_primitive()
+_PREFETCH_P = _prefetch_primitive(_PREFETCH_ASM, "jaxllm_l2_prefetch")
+_PREFETCH_LINES_P = _prefetch_primitive(_PREFETCH_LINES_ASM, "jaxllm_l2_prefetch_lines")
 
 
 def prefetched(w) -> bool:
@@ -1267,18 +1288,24 @@ def weights_first(matrices) -> bool:
                                  and prefetched(w) for w in matrices)
 
 
-def _prefetch(ref, programs: int, lanes: int, after):
+def _prefetch(ref, programs: int, lanes: int, after, lines: bool = False):
     """Ask L2 for all of the flat ref, in pieces dealt to the lanes of the kernel's `programs`
     (see PREFETCH_STRIDE_PER_MULTIPROCESSOR); `after`, a float the program computed, holds the
-    asks back until it is made."""
+    asks back until it is made. With `lines`, a line at a time (PREFETCH_LINES), each piece
+    asked for once, by one lane of one program."""
     nbytes = ref.shape[0] * jnp.dtype(ref.dtype).itemsize // 16 * 16  # bulk sizes are of 16s
     stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * _multiprocessors())
     piece = max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
+    if lines:  # pieces of whole lines, every program's lanes sharing the matrix
+        stride = programs
+        piece = -(-nbytes // (stride * lanes * 128)) * 128
+        if piece > 128 * PREFETCH_LINE_COUNT:
+            return
     q = jnp.arange(lanes, dtype=jnp.int32) * stride + pl.program_id(0) - (programs - stride)
     counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: no piece
     counts = jnp.where(jnp.isnan(after), 0, counts)  # never true for a sum made; but it waits
     offsets = jnp.where(counts > 0, q * (piece // jnp.dtype(ref.dtype).itemsize), 0)
-    _PREFETCH_P.bind(ref, offsets, counts)
+    (_PREFETCH_LINES_P if lines else _PREFETCH_P).bind(ref, offsets, counts)
 
 
 # Residual add and RMSNorm. Between a prefill layer's matrix products XLA ran the residual add,

@@ -459,6 +459,19 @@ def generate_loop():
     check("generate with the norm's squares made before the products, a token differs (1 = yes)",
           float(not (tokens_without("SQUARES_LAST", False, WEIGHTS_FIRST=False)
                      == unchanged).all()), 0)
+    # SmolLM2's layers are weights-first, so they ask L2 by bulk copies; a layer that is not asks
+    # a line at a time (kernels.PREFETCH_LINES): Qwen3-0.6B's o in bf16, its qkv, o and down in
+    # int8. A hint too: the same tokens with the bulk copy instead.
+    qwen = dataclasses.replace(PRESETS["qwen3-0.6b"], num_layers=4)
+    qwen_ids = [rng.integers(0, qwen.vocab_size, 40).tolist()]
+    for quant in ("none", "int8"):
+        q_params = random_params(qwen, 0, jnp.bfloat16, quant=quant)
+        q_run = lambda: np.asarray(jaxllm.generate(q_params, qwen_ids, max_new_tokens=32,
+                                                   eos_token_ids=[]).tokens)
+        lines = _with_switches({"PREFETCH_LINES": True}, q_run)
+        check(f"generate (Qwen3-0.6B widths, {quant}) with L2 asked by lines, a token differs from "
+              "the bulk copy's (1 = yes)",
+              float(not (lines == _with_switches({"PREFETCH_LINES": False}, q_run)).all()), 0)
 
 
 def sharded():
