@@ -18,9 +18,9 @@ On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
 (`WEIGHTS_FIRST`), and where they do not, they ask a line at a time (`PREFETCH_LINES`); in a
-float matrix's kernel the norm's sum of squares waits until after the products (`SQUARES_LAST`). A decode step of 8-32 rows (under 32 only for large matrices) takes
-`rows_project`, tensor-core products with their bias, residual or SwiGLU, where XLA ran those as
-fusions of their own. A MoE layer's routing (softmax and top-k) is one kernel, `route`.
+float matrix's kernel the norm's sum of squares waits until after the products (`SQUARES_LAST`).
+A decode step of 8-32 rows (under 32 only for large matrices) takes `rows_project`, tensor-core
+products with their bias, residual or SwiGLU, where XLA ran those as fusions of their own. A MoE layer's routing (softmax and top-k) is one kernel, `route`.
 """
 
 import functools
