@@ -20,7 +20,8 @@ layer's matrices all come from L2 so, its kernels load their weights before thei
 (`WEIGHTS_FIRST`), and where they do not, they ask a line at a time (`PREFETCH_LINES`); in a
 float matrix's kernel the norm's sum of squares waits until after the products (`SQUARES_LAST`).
 A decode step of 8-32 rows (under 32 only for large matrices) takes `rows_project`, tensor-core
-products with their bias, residual or SwiGLU, where XLA ran those as fusions of their own. A MoE layer's routing (softmax and top-k) is one kernel, `route`.
+products with their bias, residual or SwiGLU, where XLA ran those as fusions of their own. A MoE
+layer's routing (softmax and top-k) is one kernel, `route`.
 """
 
 import functools
