@@ -1201,8 +1201,8 @@ mov.b32 $0, 0;
 # its first round is the one of the eight that day where lines lost): about 0.5-1%. In int8
 # 0.6098 and 0.6086 against 0.6114 and 0.6156, as landed 0.6085 against 0.6103. In SmolLM2's
 # weights-first layers, whose every matrix is asked for, lines lost (0.4089 and 0.3983 against
-# 0.3898 and 0.3936), so they keep the bulk copy. The tokens of `generate` are the same either way (`scripts/gpu_check.py`).
-# JAXLLM_PREFETCH_LINES=0 turns lines off (the bulk copy everywhere).
+# 0.3898 and 0.3936), so they keep the bulk copy. The tokens of `generate` are the same either
+# way (`scripts/gpu_check.py`). JAXLLM_PREFETCH_LINES=0 turns lines off (the bulk copy everywhere).
 PREFETCH_LINES = os.environ.get("JAXLLM_PREFETCH_LINES", "1") != "0"
 PREFETCH_LINE_COUNT = 16  # lines one lane asks for, at most: a matrix needing more is not asked for
 _PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
