@@ -1196,9 +1196,9 @@ mov.b32 $0, 0;
 # and down. On H200s (bench, batch 1, prompt 128 + 256 new, --repeat 2, alternating in each run):
 # Qwen3-0.6B 0.6610 and 0.6609 ms a step against 0.6700, 0.6644 and 0.6621 (2026-12-01,
 # `.device/run179.sh`); 0.6695, 0.6654 and 0.6631 against 0.6779, 0.6699 and 0.6711 on another
-# machine (`run180.sh`); in session 41, on a third, 0.6585-0.6692 against 0.6665-0.6759; as
+# machine (`run180.sh`); earlier, on a third, 0.6585-0.6692 against 0.6665-0.6759; as
 # landed, on a fourth, 0.6740, 0.6637 and 0.6662 against 0.6684, 0.6736 and 0.6719 (`run182.sh`;
-# its first round is the one of the eight that day where lines lost): about 0.5-1%. In int8
+# its first round is the one of those eight where lines lost): about 0.5-1%. In int8
 # 0.6098 and 0.6086 against 0.6114 and 0.6156, as landed 0.6085 against 0.6103. In SmolLM2's
 # weights-first layers, whose every matrix is asked for, lines lost (0.4089 and 0.3983 against
 # 0.3898 and 0.3936), so they keep the bulk copy. The tokens of `generate` are the same either
