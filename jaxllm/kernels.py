@@ -1297,13 +1297,14 @@ def _prefetch(ref, programs: int, lanes: int, after, lines: bool = False):
     asks back until it is made. With `lines`, a line at a time (PREFETCH_LINES), each piece
     asked for once, by one lane of one program."""
     nbytes = ref.shape[0] * jnp.dtype(ref.dtype).itemsize // 16 * 16  # bulk sizes are of 16s
-    stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * _multiprocessors())
-    piece = max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
     if lines:  # pieces of whole lines, every program's lanes sharing the matrix
         stride = programs
         piece = -(-nbytes // (stride * lanes * 128)) * 128
         if piece > 128 * PREFETCH_LINE_COUNT:
             return
+    else:
+        stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * _multiprocessors())
+        piece = max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
     q = jnp.arange(lanes, dtype=jnp.int32) * stride + pl.program_id(0) - (programs - stride)
     counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: no piece
     counts = jnp.where(jnp.isnan(after), 0, counts)  # never true for a sum made; but it waits
