@@ -481,6 +481,22 @@ PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
 # rows take below) 0.6806, 0.6824 and 0.6824. int8 rows, not measured so, keep MAX_CHUNK.
 # JAXLLM_PROJECT_ONE_CHUNK overrides it (2048: as before).
 ONE_CHUNK_CHANNELS = int(os.environ.get("JAXLLM_PROJECT_ONE_CHUNK", 4096))
+# SwiGLU's gate/up loads PROGRAM_ELEMENTS of gate and as many of up a program (twice the weights
+# of the other matrices' programs, half the programs) where its weights come from HBM unasked, too
+# large for the kernel before to ask L2 for them (`prefetched`): of the presets, Qwen3-0.6B's
+# gate/up (12.6 MB; in int8 6.3 MB). Elsewhere the rows halve, gate and up together
+# PROGRAM_ELEMENTS. On H200s (bench, batch 1, prompt 128 + 256 new, --repeat 2, alternating in
+# each run), as landed (`.device/run185.sh`): Qwen3-0.6B 0.6419 and 0.6495 ms a step against
+# 0.6668 and 0.6704 with the rows halved (1558 and 1540 tok/s against 1500 and 1492), int8 0.5885
+# and 0.5866 against 0.6117 and 0.6081. Earlier, widened through a probe's per-shape override
+# (`run183.sh`, `run184.sh`): 0.6517, 0.6505, 0.6425 and 0.6460 against 0.6775,
+# 0.6648, 0.6572 and 0.6624; int8 0.5952, 0.5878, 0.5814 and 0.5870 against 0.6104, 0.6128,
+# 0.6129 and 0.6112. Twice again (16384 a matrix) 0.6620 and 0.6760; qkv widened too 0.6515
+# and 0.6537; o widened 0.6699 and 0.6689. SmolLM2's gate/up, asked of L2, widened lost: 0.4109
+# and 0.4120 against 0.4000 and 0.3942 (int8 0.4406 and 0.4335 against 0.4343 and 0.4369).
+# The tokens of `generate` are the same either way (`scripts/gpu_check.py generate_loop`).
+# JAXLLM_GATE_UP_WIDE=0 halves the rows everywhere.
+GATE_UP_WIDE = os.environ.get("JAXLLM_GATE_UP_WIDE", "1") != "0"
 # int8 weights, converted in registers without I2F (see `_INT8_ASM`), stream faster through the
 # kernel than through XLA's reduction up to the 8B shape's gate/up (117M weights), given larger
 # tiles. The 8B shape in int8 on an H200, a step: 2.877 ms with every layer matrix in the kernel,
@@ -570,7 +586,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     else:
         chunk = padded if float_w and C <= ONE_CHUNK_CHANNELS else min(padded, MAX_CHUNK)
         # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
-        rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if swiglu else 1)), width & -width)
+        halved = swiglu and not _wide_gate_up(w_NC)  # gate and up sharing the weights
+        rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if halved else 1)), width & -width)
         warps = PROJECT_WARPS
     interpret = mode == "interpret"
     ahead = () if interpret else tuple(  # int8 bytes only: the scales are few
@@ -581,6 +598,12 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
                                 lines=PREFETCH_LINES and not weights_first,
                                 weights_first=weights_first and heads is None and C <= chunk,
                                 squares_last=SQUARES_LAST and float_w)
+
+
+def _wide_gate_up(w_NC) -> bool:
+    """Whether SwiGLU's gate/up w loads twice the weights a program (GATE_UP_WIDE): where its
+    weights are not asked of L2 ahead."""
+    return GATE_UP_WIDE and not prefetched(w_NC)
 
 
 def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
