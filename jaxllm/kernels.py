@@ -17,8 +17,9 @@ gate/up's kernel writes its output's digits so for the down projection (`INT8_DO
 On Hopper each kernel lets the next one launch as it starts (`PDL_TRIGGER`), and `project`'s
 asks L2 for the next projection's matrix where it is small (`PREFETCH_MAX_BYTES`); where a
 layer's matrices all come from L2 so, its kernels load their weights before their input
-(`WEIGHTS_FIRST`), and where they do not, they ask a line at a time (`PREFETCH_LINES`); in a
-float matrix's kernel the norm's sum of squares waits until after the products (`SQUARES_LAST`).
+(`WEIGHTS_FIRST`), and where they do not, they ask a line at a time (`PREFETCH_LINES`); a
+gate/up that is not asked for takes programs twice as wide (`GATE_UP_WIDE`); in a float matrix's
+kernel the norm's sum of squares waits until after the products (`SQUARES_LAST`).
 A decode step of 8-32 rows (under 32 only for large matrices) takes `rows_project`, tensor-core
 products with their bias, residual or SwiGLU, where XLA ran those as fusions of their own. A MoE
 layer's routing (softmax and top-k) is one kernel, `route`.
