@@ -473,7 +473,7 @@ def generate_loop():
               "the bulk copy's (1 = yes)",
               float(not (lines == _with_switches({"PREFETCH_LINES": False}, q_run)).all()), 0)
         # Qwen3-0.6B's gate/up, from HBM, loads twice the rows a program (kernels.GATE_UP_WIDE):
-        # each output's sum over the same chunk, so the same tokens as with the rows halved.
+        # each output a sum over the same chunk, so its tokens should be those of the rows halved.
         check(f"generate (Qwen3-0.6B widths, {quant}) with gate/up's wider programs, a token "
               "differs from the halved rows' (1 = yes)",
               float(not (_with_switches({"GATE_UP_WIDE": True}, q_run)
