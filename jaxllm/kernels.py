@@ -492,9 +492,11 @@ ONE_CHUNK_CHANNELS = int(os.environ.get("JAXLLM_PROJECT_ONE_CHUNK", 4096))
 # and 0.5866 against 0.6117 and 0.6081. Earlier, widened through a probe's per-shape override
 # (`run183.sh`, `run184.sh`): 0.6517, 0.6505, 0.6425 and 0.6460 against 0.6775,
 # 0.6648, 0.6572 and 0.6624; int8 0.5952, 0.5878, 0.5814 and 0.5870 against 0.6104, 0.6128,
-# 0.6129 and 0.6112. Twice again (16384 a matrix) 0.6620 and 0.6760; qkv widened too 0.6515
-# and 0.6537; o widened 0.6699 and 0.6689. SmolLM2's gate/up, asked of L2, widened lost: 0.4109
-# and 0.4120 against 0.4000 and 0.3942 (int8 0.4406 and 0.4335 against 0.4343 and 0.4369).
+# 0.6129 and 0.6112. Gate/up at 16384 weights a program 0.6620 and 0.6760; qkv at 8192 beside the
+# wide gate/up 0.6515 and 0.6537; o alone at 8192 0.6699 and 0.6689. SmolLM2's gate/up, asked of
+# L2, widened lost: 0.4109 and 0.4120 against 0.4000 and 0.3942 (int8 0.4406 and 0.4335 against
+# 0.4343 and 0.4369). As committed, on another machine (`run186.sh`): 0.6412 and 0.6396 against
+# 0.6694 and 0.6593 (1560 and 1563 tok/s against 1494 and 1517); see docs/speed.md.
 # The tokens of `generate` are the same either way (`scripts/gpu_check.py generate_loop`).
 # JAXLLM_GATE_UP_WIDE=0 halves the rows everywhere.
 GATE_UP_WIDE = os.environ.get("JAXLLM_GATE_UP_WIDE", "1") != "0"
