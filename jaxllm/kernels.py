@@ -589,7 +589,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     else:
         chunk = padded if float_w and C <= ONE_CHUNK_CHANNELS else min(padded, MAX_CHUNK)
         # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
-        halved = swiglu and not _wide_gate_up(w_NC)  # gate and up sharing the weights
+        # gate and up sharing the weights, but where gate/up comes from HBM unasked (GATE_UP_WIDE)
+        halved = swiglu and (prefetched(w_NC) or not GATE_UP_WIDE)
         rows = min(max(2, PROGRAM_ELEMENTS // chunk // (2 if halved else 1)), width & -width)
         warps = PROJECT_WARPS
     interpret = mode == "interpret"
@@ -601,12 +602,6 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
                                 lines=PREFETCH_LINES and not weights_first,
                                 weights_first=weights_first and heads is None and C <= chunk,
                                 squares_last=SQUARES_LAST and float_w)
-
-
-def _wide_gate_up(w_NC) -> bool:
-    """Whether SwiGLU's gate/up w loads twice the weights a program (GATE_UP_WIDE): where its
-    weights are not asked of L2 ahead."""
-    return GATE_UP_WIDE and not prefetched(w_NC)
 
 
 def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
