@@ -468,16 +468,16 @@ def generate_loop():
         q_params = random_params(qwen, 0, jnp.bfloat16, quant=quant)
         q_run = lambda: np.asarray(jaxllm.generate(q_params, qwen_ids, max_new_tokens=32,
                                                    eos_token_ids=[]).tokens)
-        lines = _with_switches({"PREFETCH_LINES": True}, q_run)
-        check(f"generate (Qwen3-0.6B widths, {quant}) with L2 asked by lines, a token differs from "
-              "the bulk copy's (1 = yes)",
-              float(not (lines == _with_switches({"PREFETCH_LINES": False}, q_run)).all()), 0)
-        # Qwen3-0.6B's gate/up, from HBM, loads twice the rows a program (kernels.GATE_UP_WIDE):
+        # Qwen3-0.6B's gate/up, from HBM, also loads twice the rows a program (kernels.GATE_UP_WIDE):
         # each output a sum over the same chunk, so its tokens should be those of the rows halved.
+        # Both switches on, as they stand, then each off in turn.
+        stand = {"PREFETCH_LINES": True, "GATE_UP_WIDE": True}
+        on = _with_switches(stand, q_run)
+        off = lambda switch: _with_switches({**stand, switch: False}, q_run)
+        check(f"generate (Qwen3-0.6B widths, {quant}) with L2 asked by lines, a token differs from "
+              "the bulk copy's (1 = yes)", float(not (on == off("PREFETCH_LINES")).all()), 0)
         check(f"generate (Qwen3-0.6B widths, {quant}) with gate/up's wider programs, a token "
-              "differs from the halved rows' (1 = yes)",
-              float(not (_with_switches({"GATE_UP_WIDE": True}, q_run)
-                         == _with_switches({"GATE_UP_WIDE": False}, q_run)).all()), 0)
+              "differs from the halved rows' (1 = yes)", float(not (on == off("GATE_UP_WIDE")).all()), 0)
 
 
 def sharded():
