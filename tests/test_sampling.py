@@ -115,6 +115,42 @@ def _chi_square(counts, probs) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+def _binned_chi_square(counts, probs, min_expected=5.0) -> tuple[float, int]:
+    """Chi-square of counts against probs, the tokens expected fewer than min_expected times pooled
+    into one bin; (statistic, degrees of freedom)."""
+    expected = probs * counts.sum()
+    rare = expected < min_expected
+    obs = np.append(counts[~rare], counts[rare].sum())
+    exp = np.append(expected[~rare], expected[rare].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+
+
+@pytest.mark.parametrize("filters", [f for f in FILTERS if f.get("top_k") != 1],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_filtered_sampling_follows_the_softmax_of_what_is_left(filters):
+    """Within the set a filter keeps, each token comes as often as the softmax over that set says
+    (transformers renormalizes the same way), not uniformly or by the unfiltered softmax."""
+    logits = np.random.default_rng(1).normal(0, 2.0, (8, V)).astype(np.float32)
+    args = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | filters
+    mask, dist = allowed_sets(logits, **args)
+    tokens = draw(logits, 7, draws=20000, **args)
+    checked = 0
+    for r in range(len(logits)):
+        if mask[r].sum() < 3:
+            continue
+        counts = np.bincount(tokens[r], minlength=V).astype(np.float64)
+        chi, dof = _binned_chi_square(counts, dist[r])
+        # Far in the tail for these degrees of freedom (mean dof, sd sqrt(2 dof)): < 1e-6.
+        bound = dof + 8 * np.sqrt(2 * dof) + 10
+        assert chi < bound, f"row {r}: chi-square {chi:.1f} over {dof} dof against the softmax of the set"
+        uniform = np.where(mask[r], 1.0 / mask[r].sum(), 0.0)
+        assert _binned_chi_square(counts, uniform)[0] > bound  # the bound tells a uniform draw apart
+        checked += 1
+    assert checked >= 4
+
+
 def test_temperature_sampling_follows_softmax():
     logits = np.array([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -2.0]], np.float32)
     temperature = 0.7
