@@ -86,11 +86,23 @@ def free_run(llama):
     return prompt, np.asarray(out.tokens)
 
 
+def _stop_pair(free):
+    """(k0, x, k1, y): row 0's first x at k0 >= 2 and row 1's first y at k1 >= k0 + 2 (it stops
+    later), neither found in the other row up to that row's stop."""
+    for k0 in range(2, free.shape[1]):
+        x = int(free[0, k0])
+        if x in free[0, :k0]:
+            continue
+        for k1 in range(k0 + 2, free.shape[1]):
+            y = int(free[1, k1])
+            if y != x and y not in free[1, :k1] and x not in free[1, :k1 + 1] and y not in free[0, :k0 + 1]:
+                return k0, x, k1, y
+    raise AssertionError(f"no two stop ids tell these rows apart: {free}")
+
+
 def test_each_row_stops_at_its_own_stop_id(llama, free_run):
     prompt, free = free_run
-    k0, x = _first_new(free[0], 2)
-    k1, y = _first_new(free[1], k0 + 2)  # row 1 stops later than row 0
-    assert x not in free[1][:k1 + 1] and y not in free[0][:k0 + 1], "pick another seed"
+    k0, x, k1, y = _stop_pair(free)
     out = jaxllm.generate(llama.params, prompt, max_new_tokens=NEW, eos_token_ids=[x, y])
     tokens, pad = np.asarray(out.tokens), llama.params.config.pad_id
     np.testing.assert_array_equal(out.lengths, [k0 + 1, k1 + 1])  # the stop token is counted

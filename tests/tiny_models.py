@@ -26,7 +26,7 @@ MAX_POS = 256
 
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
-             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+             rms_norm_eps=0.1, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
 def _rope(rope_type="default", theta=10000.0, **extra):
