@@ -4,10 +4,10 @@ The weights are on the device already (inside the allocator's `bytes_in_use`); a
 its KV cache (`cache_bytes`, exact) and what one step holds besides weights and cache (a bound,
 `activation_bytes`). Those must fit in what the allocator has left, `bytes_limit - bytes_in_use`
 of `Device.memory_stats()`; where they do, `generate` and `stream` also check XLA's own count of
-what their compiled programs allocate. Backends without statistics (the CPU) are not checked. A
-request that cannot fit is a ValueError giving both figures and the largest batch, and the longest
-cache, that would; without it, XLA would fail later with an out-of-memory error naming a buffer,
-or the host would swap.
+what their compiled programs allocate. The CPU keeps no statistics: there the host's own figures
+stand in (`host_memory_stats`). A request that cannot fit is a ValueError giving both figures and
+the largest batch, and the longest cache, that would; without it, XLA would fail later with an
+out-of-memory error naming a buffer, or the host would swap.
 """
 
 from __future__ import annotations
@@ -33,8 +33,25 @@ LIVE_FACTOR = 2.5
 
 
 def memory_stats(device) -> dict | None:
-    """The allocator's statistics of `device`, or None where the backend keeps none (tests patch this)."""
-    return device.memory_stats()
+    """The allocator's statistics of `device`; for a CPU device, which keeps none, the host's
+    (`host_memory_stats`); None where neither is known (tests patch this)."""
+    stats = device.memory_stats()
+    if stats or device.platform != "cpu":
+        return stats
+    return host_memory_stats()
+
+
+def host_memory_stats(meminfo: str = "/proc/meminfo") -> dict | None:
+    """The host's memory as the allocator's statistics: `bytes_limit` its total, `bytes_in_use`
+    what is not available (Linux's MemTotal and MemAvailable); None where the file is not there or
+    lacks them. The CPU backend's arrays, the weights among them, are in use there already."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        total, available = (int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    return {"bytes_limit": total, "bytes_in_use": total - available}
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, length: int, dtype,

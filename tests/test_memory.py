@@ -151,6 +151,24 @@ def test_without_statistics_nothing_is_checked(monkeypatch, params):
     memory.check_fit(params, 10 ** 6, 16, 10 ** 6)
 
 
+def test_on_the_cpu_the_hosts_memory_is_what_is_free(monkeypatch, params, tmp_path):
+    """The CPU backend keeps no statistics; the host's MemTotal and MemAvailable stand in, so a
+    request larger than the machine fails at once instead of swapping or hanging."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        4096 kB\nMemFree:           10 kB\nMemAvailable:    1024 kB\n")
+    assert memory.host_memory_stats(str(meminfo)) == {"bytes_limit": 4096 * 1024, "bytes_in_use": 3072 * 1024}
+    assert memory.host_memory_stats(str(tmp_path / "absent")) is None
+    (tmp_path / "odd").write_text("MemTotal: lots\n")
+    assert memory.host_memory_stats(str(tmp_path / "odd")) is None
+    real = memory.host_memory_stats
+    monkeypatch.setattr(memory, "host_memory_stats", lambda: real(str(meminfo)))
+    monkeypatch.setattr(gen, "_generate_core", lambda *a, **k: pytest.fail("generate ran"))
+    assert jax.devices()[0].platform == "cpu"
+    with pytest.raises(ValueError, match="out of device memory") as e:
+        jaxllm.generate(params, np.full((8, 16), 5, np.int32), max_new_tokens=500)
+    assert "only 1.05 MB of its 4.19 MB are free" in str(e.value), str(e.value)
+
+
 def test_stream_weighs_xla_count_of_its_prefill_and_compiles_it_once(monkeypatch, params):
     # stream's cache is an argument of its steps: XLA's count of the prefill step comes on top of
     # it. The step compiled for the count is the one the stream then runs.
