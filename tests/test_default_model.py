@@ -1,7 +1,8 @@
 """The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same file.
 
-One transformers load and one jaxllm load per session (module-scoped), both float32; the
-tolerance is 1e-3 relative (dequantized weights, 30 layers of float32 rounding).
+One transformers load and one jaxllm load per session (module-scoped), both float32. The
+project allows 1e-3 relative for this model (dequantized weights, 30 layers of float32
+rounding); the logits agree within 4.2e-6, so the test holds them to 1e-4, the tiny models' bound.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_logits_match_transformers(params, reference, tok):
         with torch.no_grad():
             ref = reference(torch.as_tensor(ids)).logits.numpy()
         rel = np.abs(ours - ref).max() / np.abs(ref).max()
-        assert rel < 1e-3, (prompt, rel)
+        assert rel < 1e-4, (prompt, rel)
         assert (ours[0, -1].argmax() == ref[0, -1].argmax())
 
 
@@ -99,11 +100,17 @@ def test_answer_is_sensible_and_stops(params, tok):
     assert np.all(np.asarray(out.tokens)[0, n:] == params.config.pad_id)
 
 
-def test_second_load_uses_the_converted_cache(params, monkeypatch_module):
+def test_second_load_uses_the_converted_cache(params, monkeypatch):
     import os
     from pathlib import Path
     cache = Path(os.environ["JAXLLM_CACHE"])
     assert any(cache.glob("*/model.safetensors")), "the first load should cache its conversion"
+    from jaxllm import gguf
+
+    def no_second_read(path):
+        raise AssertionError(f"the GGUF file was read again: {path}")
+
+    monkeypatch.setattr(gguf, "read_gguf", no_second_read)
     again = jaxllm.load(dtype="float32")
     for a, b in zip(jax_leaves(params), jax_leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
