@@ -61,13 +61,14 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
         assert r["param_bytes"] == param_bytes(abstract_params(cfg)) == 2 * r["param_count"]
         assert r["kv_cache_bytes"] == (2 * cfg.num_layers * r["batch"] * r["cache_len"] * cfg.num_kv_heads
                                        * cfg.head_dim * 2)
-        for key in ("first_call_s", "compile_s", "generate_s", "prefill_ms", "sample_ms", "ttft_ms",
+        for key in ("first_call_s", "generate_s", "prefill_ms", "sample_ms", "ttft_ms",
                     "decode_ms_per_step", "decode_tokens_per_s", "prefill_tflops", "achieved_tbps",
                     "bytes_per_step", "decode_roofline_ms", "pct_of_roofline", "activation_bytes"):
             assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
         assert len(r["generate_s_all"]) == r["repeat"] == 3
         assert r["generate_s"] == pytest.approx(sorted(r["generate_s_all"])[1])
-        assert r["first_call_s"] >= r["compile_s"]
+        # What the first call took beyond a warm one; 0 where a warm compile cache left nothing.
+        assert r["compile_s"] == pytest.approx(max(0.0, r["first_call_s"] - r["generate_s"]))
         assert r["ttft_ms"] == pytest.approx(r["prefill_ms"] + r["sample_ms"])
         # The derived rates agree with each other and with the formulas the docstring states.
         step_s = r["decode_ms_per_step"] / 1e3
