@@ -8,6 +8,8 @@ call: no host round trip per token, and prompts within one bucket reuse one comp
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 import os
 from functools import partial, reduce
@@ -24,7 +26,7 @@ from jaxllm.memory import check_fit
 from jaxllm.model import AUTOTUNE_OPTIONS, check_kv_int8, check_tokens, jitted_step, rotation_table, step
 from jaxllm.params import Params
 from jaxllm.quant import is_quantized
-from jaxllm.sampling import SamplingConfig, apply_repetition_penalty, sample
+from jaxllm.sampling import INT32_MAX, SamplingConfig, apply_repetition_penalty, number, sample
 from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
 
 MIN_BUCKET = 16
@@ -76,8 +78,13 @@ def pad_prompts(params: Params, ids) -> tuple[np.ndarray, np.ndarray, int]:
     """
     cfg = params.config
     if isinstance(ids, (list, tuple)) and (len(ids) == 0 or isinstance(ids[0], (list, tuple, np.ndarray))):
-        rows = [check_tokens(cfg, np.asarray(r, dtype=np.int64).reshape(-1)) if len(r) else
-                np.zeros((0,), np.int32) for r in ids]
+        rows = []
+        for b, r in enumerate(ids):
+            row = np.asarray(r) if isinstance(r, (list, tuple, np.ndarray, jax.Array)) else None
+            if row is None or row.ndim != 1:
+                got = type(r).__name__ if row is None else f"shape {row.shape}"
+                raise ValueError(f"prompt {b} must be a list of token ids, got {got}")
+            rows.append(check_tokens(cfg, row) if row.size else np.zeros((0,), np.int32))
     else:
         arr = np.asarray(ids)
         if arr.ndim != 2:
@@ -232,14 +239,35 @@ def _is_stop(token, stop_ids):
     return reduce(operator.or_, [token == stop_ids[j] for j in range(stop_ids.shape[0])])
 
 
+def _whole(name: str, value, low: int, high: int = INT32_MAX) -> int:
+    """`value` as an int where it is a whole number in [low, high]; else a ValueError naming it."""
+    x = number(name, value)
+    whole = int(value) if isinstance(value, numbers.Integral) else \
+        int(x) if math.isfinite(x) and x == int(x) else None
+    if whole is None or not low <= whole <= high:
+        raise ValueError(f"{name} must be a whole number >= {low}, at most {high}, got {value}")
+    return whole
+
+
+def _request(params: Params, max_new_tokens, sampling: SamplingConfig, eos_token_ids, seed):
+    """(max_new_tokens, stop ids, seed) of a request as ints, its settings checked: a ValueError
+    names the first that is not what it must be."""
+    max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1)
+    sampling.validate()
+    if eos_token_ids is None:
+        stops = params.config.eos_token_ids
+    elif isinstance(eos_token_ids, (list, tuple, set, np.ndarray, jax.Array)):
+        stops = tuple(_whole("a stop id (eos_token_ids)", t, 0) for t in eos_token_ids)
+    else:
+        raise ValueError(f"eos_token_ids must be a list of token ids or None, got {eos_token_ids!r}")
+    return max_new_tokens, stops, _whole("seed", seed, -2 ** 63, 2 ** 63 - 1)
+
+
 def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None,
           allocated=None):
     """(tokens, start, steps, cache length) of a request, checked: `allocated(*plan)`, if given,
     is XLA's count of what the program that will run it allocates (see `check_fit`)."""
     cfg = params.config
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
-    sampling.validate()
     tokens, start, longest = pad_prompts(params, ids)
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
@@ -261,7 +289,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales (default: the model dtype).
     """
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    stops = params.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    max_new_tokens, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
         return (params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed),
@@ -300,6 +328,9 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
            eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced, the stop token included."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
+    max_new_tokens, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
+    if not isinstance(ids, (list, tuple, np.ndarray, jax.Array)):
+        raise ValueError(f"ids must be one prompt's token ids, a list, got {type(ids).__name__}")
     run = jitted_step()
 
     def new_cache(start, cache_length):
@@ -319,7 +350,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
 
     tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype,
                                            allocated)
-    stops = set(params.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    stops = set(stops)
     flags, values = sampling.static(), sampling.values()
     key = jax.random.key(seed)
     cache = new_cache(jnp.asarray(start), cache_length)

@@ -505,6 +505,10 @@ def jitted_step():
 def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
     """Host-side validation of token ids: integers inside [0, V); returned as int32."""
     arr = np.asarray(tokens)
+    if arr.dtype == object and all(isinstance(t, int) and not isinstance(t, bool) for t in arr.flat):
+        # Python ints too large for any integer dtype: name one rather than the dtype
+        raise ValueError(f"token id {max(arr.flat, key=abs)} out of range: the vocabulary has "
+                         f"{config.vocab_size} ids (0..{config.vocab_size - 1})")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):

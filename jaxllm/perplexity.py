@@ -35,7 +35,12 @@ def windows(ids, context: int) -> tuple[np.ndarray, np.ndarray]:
 
     mask[w, t] says whether token t+1 of window w is a real token to predict.
     """
-    ids = np.asarray(ids, np.int32).reshape(-1)
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError(f"ids must be a list of integer token ids, got shape {ids.shape} and dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"token id {ids.min() if ids.min() < 0 else ids.max()} out of range")
+    ids = ids.astype(np.int32)
     if context < 2:
         raise ValueError(f"context must be >= 2 tokens (one to condition on, one to predict), got {context}")
     if len(ids) < 2:
@@ -64,7 +69,12 @@ def perplexity(params, ids, context: int = 512, batch: int = 4) -> dict:
 
     import jaxllm
 
-    tokens, mask = windows(ids, context)
+    from jaxllm.model import check_tokens
+
+    ids = np.asarray(ids)
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be one text's token ids, a list, got shape {ids.shape}")
+    tokens, mask = windows(check_tokens(params.config, ids), context)
     rows = len(tokens)
     batch = max(1, min(batch, rows))
     pad = -rows % batch  # whole batches: one compiled shape

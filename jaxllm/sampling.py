@@ -5,11 +5,25 @@ penalty, then temperature, top-k, top-p, min-p. Filter values are traced scalars
 does not recompile); which filters are active is static, so greedy decoding never sorts.
 """
 
+import math
 import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def number(name: str, value) -> float:
+    """`value` as a float, or a ValueError naming `name` where it is not a number (None, a string)."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 class SamplingConfig(NamedTuple):
@@ -22,16 +36,19 @@ class SamplingConfig(NamedTuple):
     repetition_penalty: float = 1.0
 
     def validate(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        for name, value in self._asdict().items():
+            number(name, value)
+        if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be a whole number >= 0 (0 disables it), got {self.top_k}")
+        if not (0 <= self.top_k <= INT32_MAX and int(self.top_k) == self.top_k):
+            raise ValueError(f"top_k must be a whole number >= 0 (0 disables it) and at most {INT32_MAX}, "
+                             f"got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
         return self
 
     def static(self) -> tuple[bool, bool, bool, bool, bool]:

@@ -26,6 +26,11 @@ PROMPT = [[5, 6, 7]]
     ([], r"batch of 0"),
     (np.zeros((0, 4), np.int32), r"batch of 0"),
     (np.array([5, 6, 7]), r"\[B, T\] array"),
+    ([[[5, 6], [7, 8]]], r"prompt 0 must be a list of token ids, got shape \(2, 2\)"),  # not flattened
+    ([[5, 6], 7], r"prompt 1 must be a list of token ids, got int"),
+    ([[5.9, 6.9]], r"token ids must be integers, got dtype float64"),  # not truncated to 5, 6
+    ([[True, False]], r"token ids must be integers, got dtype bool"),
+    ([[5, 2 ** 64]], rf"token id {2 ** 64} out of range"),  # not wrapped
 ])
 def test_bad_prompts(llama, ids, message):
     with pytest.raises(ValueError, match=message):
@@ -53,14 +58,42 @@ def test_prompt_plus_new_tokens_over_the_context(llama):
     (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0.*0.0"),
     (dict(repetition_penalty=-1.0), r"repetition_penalty must be > 0"),
     (dict(max_new_tokens=0), r"max_new_tokens must be .*>= 1.*0"),
+    (dict(max_new_tokens=float("nan")), r"max_new_tokens must be a whole number"),
+    (dict(max_new_tokens=None), r"max_new_tokens must be a number, got None"),
+    (dict(max_new_tokens="4"), r"max_new_tokens must be a number, got '4'"),
+    (dict(temperature=float("inf")), r"temperature must be >= 0 .*finite"),
+    (dict(temperature=None), r"temperature must be a number, got None"),
+    (dict(top_p="x"), r"top_p must be a number"),
+    (dict(temperature=1.0, top_k=2 ** 31), r"top_k must be .*at most 2147483647"),
+    (dict(temperature=1.0, top_k=float("inf")), r"top_k must be a whole number"),
+    (dict(seed=2 ** 63), r"seed must be a whole number .*at most 9223372036854775807"),
+    (dict(seed=1.5), r"seed must be a whole number"),
+    (dict(eos_token_ids=[2 ** 40]), r"stop id \(eos_token_ids\) must be a whole number"),
+    (dict(eos_token_ids=5), r"eos_token_ids must be a list of token ids or None, got 5"),
 ])
 def test_bad_sampling_settings(llama, kwargs, message):
     kwargs = dict(max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=message):
         jaxllm.generate(llama.params, PROMPT, **kwargs)
-    if "max_new_tokens" not in kwargs or kwargs["max_new_tokens"] > 0:
-        with pytest.raises(ValueError, match=message):
-            next(jaxllm.stream(llama.params, PROMPT[0], **kwargs))
+    with pytest.raises(ValueError, match=message):
+        next(jaxllm.stream(llama.params, PROMPT[0], **kwargs))
+
+
+def test_whole_numbers_given_as_floats_are_taken(llama):
+    want = jaxllm.generate(llama.params, PROMPT, max_new_tokens=4, seed=3).tokens
+    got = jaxllm.generate(llama.params, PROMPT, max_new_tokens=4.0, seed=np.int64(3), eos_token_ids=np.array([2]))
+    np.testing.assert_array_equal(got.tokens, want)
+    assert list(jaxllm.stream(llama.params, PROMPT[0], max_new_tokens=4.0)) == np.asarray(want)[0].tolist()
+
+
+def test_perplexity_refuses_ids_it_would_wrap_or_flatten(llama):
+    from jaxllm.perplexity import perplexity
+    with pytest.raises(ValueError, match=rf"token id {2 ** 32 + 7} out of range"):
+        perplexity(llama.params, np.array([5, 6, 2 ** 32 + 7, 8, 9, 10]), context=4)
+    with pytest.raises(ValueError, match=r"got shape \(2, 3\)"):
+        perplexity(llama.params, [[5, 6, 7], [8, 9, 10]], context=4)
+    with pytest.raises(ValueError, match=r"must be integers"):
+        perplexity(llama.params, [5.5, 6.5, 7.5], context=4)
 
 
 def test_low_level_calls_check_token_ids(llama):
