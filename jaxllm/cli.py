@@ -41,6 +41,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _directory(text: str) -> str:
+    """A directory to write into: new, or one that exists; not a file."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--model, --dtype, --quant, --tp."""
     parser.add_argument("--model", metavar="PATH", default=None,
@@ -80,7 +87,7 @@ def add_system_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace-dir", default=None, metavar="DIR",
+    parser.add_argument("--trace-dir", type=_directory, default=None, metavar="DIR",
                         help="write a profiler trace of the steady-state decode steps to DIR, "
                              "one per answer (see docs/tracing.md)")
 
@@ -302,7 +309,7 @@ def add_convert(subparsers) -> None:
                     "sharded onto any mesh, without converting again.")
     p.add_argument("src", nargs="?", default=None, metavar="SRC",
                    help="HF directory or .gguf file (default: the default model)")
-    p.add_argument("dst", metavar="DST", help="an empty or new directory")
+    p.add_argument("dst", type=_directory, metavar="DST", help="an empty or new directory")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype of the saved weights (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--quant", choices=("none", "int8"), default="none",

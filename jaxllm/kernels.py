@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxllm import layers as L
+from jaxllm.env import env_ints, env_number
 from jaxllm.quant import QuantizedWeight, stored
 
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
@@ -55,8 +56,7 @@ DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
 # before the new token's q and k are made (Qwen3-0.6B 0.694 against 0.671, SmolLM2 0.469 against
 # 0.430) and making the rotation's cos and sin in each program rather than once a step in XLA
 # (0.721, 0.449). JAXLLM_DECODE_TILES="block,split,warps" overrides the tiles for benchmarking.
-BLOCK_SLOTS, SPLIT_SLOTS, WARPS = (
-    int(x) for x in os.environ.get("JAXLLM_DECODE_TILES", "64,128,4").split(","))
+BLOCK_SLOTS, SPLIT_SLOTS, WARPS = env_ints("JAXLLM_DECODE_TILES", "64,128,4")
 # A grid of fewer programs than the GPU has multiprocessors takes half-length splits: each
 # program's loop is then shorter, which beat the larger combine after it. End to end on an H200
 # (bench, batch 1, prompt 128 + 256 new, 32,64 against 32,128 in one run): SmolLM2 0.557 against
@@ -84,7 +84,7 @@ MULTIPROCESSORS = 132
 # 4.7349 against 4.7016, at context 2048 6.6999 against 6.6716, Qwen3-0.6B 1.3231 against
 # 1.3142; Llama-3.2-1B in one split and three stages 1.1259 against 1.1106 split).
 # JAXLLM_DECODE_ONE_SPLIT overrides the bound for benchmarking (0: always the splits above).
-ONE_SPLIT_VALUES = int(os.environ.get("JAXLLM_DECODE_ONE_SPLIT", 192))
+ONE_SPLIT_VALUES = env_number("JAXLLM_DECODE_ONE_SPLIT", 192)
 QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot
 _NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
@@ -172,7 +172,7 @@ def _launch_dependents(x):
 # shape in int8 2.925 and 2.931 ms a step against 2.953 and 2.968 with XLA's product and residual
 # add too, Llama-3.2-1B 0.821 and 0.824 against 0.825 and 0.824 (H200, same run).
 # JAXLLM_FUSED_HEADS overrides the limit for benchmarking (0: always XLA's combine).
-FUSED_HEADS_VALUES = int(os.environ.get("JAXLLM_FUSED_HEADS", "8192"))
+FUSED_HEADS_VALUES = env_number("JAXLLM_FUSED_HEADS", "8192")
 
 
 @struct.dataclass
@@ -264,12 +264,10 @@ DIGITS = 4
 # `project`'s kernel; JAXLLM_INT8_DOWN_DIGIT_TILES sets its tiles.
 INT8_DOWN_DIGITS = os.environ.get("JAXLLM_INT8_DOWN_DIGITS", "1") != "0"
 DOWN_DIGITS = 5
-DOWN_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
-    "JAXLLM_INT8_DOWN_DIGIT_TILES", "32,512,4,7").split(","))
+DOWN_DIGIT_TILES = env_ints("JAXLLM_INT8_DOWN_DIGIT_TILES", "32,512,4,7")
 DIGIT_ROWS = 16  # a tensor-core product's fewest rows: the digits, then rows never read
-DIGIT_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_INT8_DIGIT_TILES", "64,256,4,3").split(","))
-HEAD_DIGIT_TILES = tuple(int(x) for x in os.environ.get(
-    "JAXLLM_INT8_HEAD_DIGIT_TILES", "64,256,4,3").split(","))
+DIGIT_TILES = env_ints("JAXLLM_INT8_DIGIT_TILES", "64,256,4,3")
+HEAD_DIGIT_TILES = env_ints("JAXLLM_INT8_HEAD_DIGIT_TILES", "64,256,4,3")
 
 
 @struct.dataclass
@@ -466,14 +464,13 @@ DECODE_PROJECT = os.environ.get("JAXLLM_DECODE_PROJECT", "auto")
 # JAXLLM_PROJECT_MAX_WEIGHTS overrides the limit for benchmarking. 30M (the 8B shape's qkv and
 # o, Llama-3.2-1B's down too) lost on both: 4.11 against 4.06 ms a step, 0.892 against 0.889;
 # 120M (every 8B layer matrix) in the int8 tiles below lost too: 4.126 against 3.855.
-KERNEL_MAX_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20))
+KERNEL_MAX_WEIGHTS = env_number("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20)
 # Tiles: weights a program loads at once (its rows times a chunk of the input channels), the
 # largest chunk, warps. Of six sets, 4096,2048,4 was fastest at SmolLM2's and Llama-3.2-1B's
 # widths; at Qwen3-0.6B's too (0.700 ms a step against 0.764 for 8192,2048,4, 0.725 for
 # 4096,1024,4 and 0.732 for 8192,4096,8). JAXLLM_PROJECT_TILES="elements,chunk,warps" overrides
 # them for benchmarking.
-PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
-    int(x) for x in os.environ.get("JAXLLM_PROJECT_TILES", "4096,2048,4").split(","))
+PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = env_ints("JAXLLM_PROJECT_TILES", "4096,2048,4")
 # A float row of at most ONE_CHUNK_CHANNELS input channels loads in one chunk even past
 # MAX_CHUNK, padded to a power of two and masked, rather than in two overlapping ones: of the
 # presets only Qwen3-0.6B's down (3072 channels: one of 4096 against two of 2048 at 0 and 1024).
@@ -481,7 +478,7 @@ PROGRAM_ELEMENTS, MAX_CHUNK, PROJECT_WARPS = (
 # bench, batch 1, same run; 1508-1518 tok/s against 1485-1509); whole chunks of 1024 (as int8
 # rows take below) 0.6806, 0.6824 and 0.6824. int8 rows, not measured so, keep MAX_CHUNK.
 # JAXLLM_PROJECT_ONE_CHUNK overrides it (2048: as before).
-ONE_CHUNK_CHANNELS = int(os.environ.get("JAXLLM_PROJECT_ONE_CHUNK", 4096))
+ONE_CHUNK_CHANNELS = env_number("JAXLLM_PROJECT_ONE_CHUNK", 4096)
 # SwiGLU's gate/up loads PROGRAM_ELEMENTS of gate and as many of up a program (twice the weights
 # of the other matrices' programs, half the programs) where its weights come from HBM unasked, too
 # large for the kernel before to ask L2 for them (`prefetched`): of the presets, Qwen3-0.6B's
@@ -517,8 +514,8 @@ GATE_UP_WIDE = os.environ.get("JAXLLM_GATE_UP_WIDE", "1") != "0"
 # sets of weights per program, chunk and warps, 16384,4096,4 had been best (8 warps: 3.253 ms;
 # 8192,4096,4: 3.054; 32768,8192,8: 2.998). JAXLLM_PROJECT_MAX_INT8_WEIGHTS and
 # JAXLLM_PROJECT_INT8_TILES ("rows,chunk,warps") override them for benchmarking.
-KERNEL_MAX_INT8_WEIGHTS = int(os.environ.get("JAXLLM_PROJECT_MAX_INT8_WEIGHTS", 128 * 2**20))
-INT8_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_PROJECT_INT8_TILES", "4,4096,4").split(","))
+KERNEL_MAX_INT8_WEIGHTS = env_number("JAXLLM_PROJECT_MAX_INT8_WEIGHTS", 128 * 2**20)
+INT8_TILES = env_ints("JAXLLM_PROJECT_INT8_TILES", "4,4096,4")
 
 
 def decode_project_mode(dtype, rows: int) -> str | None:
@@ -986,7 +983,7 @@ ROWS_MIN, ROWS_MAX = 8, 32
 ROWS_SIGNAL_ROWS = 32  # padded rows from which the kernel gives the PDL signal
 ROWS_ANY_SIZE = 32  # rows from which any model's matrices take the kernel
 ROWS_LARGE_WEIGHTS = 16 * 2**20  # below ROWS_ANY_SIZE rows, each matrix's fewest weights
-ROWS_TILES = tuple(int(x) for x in os.environ.get("JAXLLM_ROWS_TILES", "0,0,4,5").split(","))
+ROWS_TILES = env_ints("JAXLLM_ROWS_TILES", "0,0,4,5")
 
 
 def rows_project_mode(dtype, rows: int) -> str | None:
@@ -1193,7 +1190,7 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
 # 0.4508). At 8 MB Qwen3-0.6B lost (0.7355 and 0.7326 against 0.7004 and 0.7041, 4 MB 0.6973
 # and 0.6970, same run), Llama-3.2-1B too (0.883 against 0.820-0.824).
 # JAXLLM_PREFETCH_MAX_MB sets it; 0 turns prefetching off.
-PREFETCH_MAX_BYTES = int(float(os.environ.get("JAXLLM_PREFETCH_MAX_MB", "4")) * 2**20)
+PREFETCH_MAX_BYTES = int(env_number("JAXLLM_PREFETCH_MAX_MB", "4", float) * 2**20)
 PREFETCH_PIECE = 4096  # the least bytes one lane asks for
 # Pieces go to lanes as measured above: lane t of program p (of P) asks for piece
 # t*A + p - (P - A), where that piece exists, A being this many times the multiprocessor count
@@ -1356,14 +1353,13 @@ ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")
 ADD_NORM_TRIGGER = os.environ.get("JAXLLM_PDL_ADD_NORM", "1") != "0"
 # Tiles: rows a program (at most; a power of two that divides the row count), warps a program.
 # JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
-ADD_NORM_ROWS, ADD_NORM_WARPS = (
-    int(x) for x in os.environ.get("JAXLLM_ADD_NORM_TILES", "1,4").split(","))
+ADD_NORM_ROWS, ADD_NORM_WARPS = env_ints("JAXLLM_ADD_NORM_TILES", "1,4")
 # Warps of the one program that also writes a `DigitRow` (see INT8_DIGITS): the 8B shape in
 # int8 with digits before qkv and gate/up took 2.627 ms a step in 16 warps against 2.675 in 4
 # and 2.648 in 8 (H200, same run); without digits 16 warps gave 2.632 against 2.638 (not taken).
 # With digits before gate/up and the lm_head, as landed, 8 warps took 2.5537 ms and 4 2.5595
 # against 2.5315 and 2.5504 in 16 (another machine, same run).
-ADD_NORM_DIGIT_WARPS = int(os.environ.get("JAXLLM_ADD_NORM_DIGIT_WARPS", "16"))
+ADD_NORM_DIGIT_WARPS = env_number("JAXLLM_ADD_NORM_DIGIT_WARPS", "16")
 
 
 def add_norm_mode(dtype) -> str | None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
+from jaxllm.env import env_number
 from jaxllm.params import Params, from_hf_tensors
 from jaxllm.quant import QUANT_MODES, is_quantized, quantize_params, quantizing_place
 
@@ -37,6 +38,17 @@ def _progress(total: int, desc: str):
         bar = tqdm(total=total, desc=desc, unit="param", unit_scale=True, leave=False)
         return bar.update, bar.close
     return None, lambda: None
+
+
+def _float_dtype(dtype) -> np.dtype:
+    """`dtype` as a floating dtype (the weights', activations' and cache's), or a ValueError."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating type (float32, bfloat16 or float16), got {dtype}")
+    return dtype
 
 
 def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
@@ -63,7 +75,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     # dropped from the page cache: 10.37-10.85 s started first against 12.85-13.33 beside the
     # readers (79-84% of a plain read against 66-69%); cached, 9.61 and 9.80 s against 9.84 and 10.46.
     jax.devices()
-    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    dtype = _float_dtype(dtype) if dtype is not None else default_dtype()
     if path is None:
         path = paths.default_model_path()
     path = Path(path)
@@ -87,8 +99,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
 # backend still started beside the readers (see `load`), the 8B shape cold on H200 machines: the
 # first parameter reached the GPU 3.6-5.5 s into a fresh process, at a disk's 1.8-2.1 GB/s; a
 # first version loaded in 10.85 and 12.54 s with 4 GB, 10.31 and 10.86 with 8.
-LOAD_THREADS = int(os.environ.get("JAXLLM_LOAD_THREADS", "8"))
-LOAD_BUFFER_BYTES = int(float(os.environ.get("JAXLLM_LOAD_BUFFER_MB", "8192")) * 2**20)
+LOAD_THREADS = env_number("JAXLLM_LOAD_THREADS", "8")
+LOAD_BUFFER_BYTES = int(env_number("JAXLLM_LOAD_BUFFER_MB", "8192", float) * 2**20)
 
 
 def _buffer_bytes() -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import jax.numpy as jnp
@@ -75,6 +76,14 @@ def analyze(cfg: ModelConfig, batch: int, context: int, tokens: int = 1, dtype="
     B, T = int(batch), int(tokens)
     if B < 1 or T < 1:
         raise ValueError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
+    if int(context) < 0:
+        raise ValueError(f"context must be >= 0 cache positions, got {context}")
+    for label, peak in (("peak_bw", peak_bw), ("peak_flops", peak_flops)):
+        if not 0 < peak < math.inf:
+            raise ValueError(f"{label} must be a positive, finite rate, got {peak}")
+    for label, d in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+        if d is not None and jnp.dtype(d) not in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8):
+            raise ValueError(f"{label} must be bfloat16, float16, float32 or int8, got {jnp.dtype(d)}")
     S = max(int(context), T)
     P = S - T  # positions already in the cache before the step
     M = B * T  # tokens through every projection

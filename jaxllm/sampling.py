@@ -6,11 +6,12 @@ does not recompile); which filters are active is static, so greedy decoding neve
 """
 
 import math
-import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.env import env_number
 
 
 INT32_MAX = 2 ** 31 - 1
@@ -97,7 +98,7 @@ def filter_logits(logits_BV, top_k, top_p, min_p, use_top_k: bool, use_top_p: bo
 # vocabulary, then the blocks. XLA's own split of one long row ran slower: in an H200 trace of a
 # Qwen3-0.6B step (151936 logits) 2.1 + 1.6 us against 3.3 + 1.4 (figures in
 # `model.rotation_table`'s comment). JAXLLM_ARGMAX_BLOCKS overrides it; below 8, jnp.argmax.
-ARGMAX_BLOCKS = int(os.environ.get("JAXLLM_ARGMAX_BLOCKS", "128"))
+ARGMAX_BLOCKS = env_number("JAXLLM_ARGMAX_BLOCKS", "128")
 
 
 def argmax(logits_BV):

@@ -99,6 +99,29 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["roofline", "tiny", "--peak-bw", "0"], "peak_bw must be a positive, finite rate, got 0.0"),
+    (["roofline", "tiny", "--peak-flops", "nan"], "peak_flops must be a positive, finite rate, got nan"),
+    (["roofline", "tiny", "--context", "-5"], "context must be >= 0 cache positions, got -5"),
+    (["roofline", "tiny", "--dtype", "int32"], "dtype must be bfloat16, float16, float32 or int8, got int32"),
+    (["generate", "hi", "--seed", str(2 ** 63)], "seed must be a whole number"),
+])
+def test_bad_numbers_exit_2_with_the_reason(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--trace-dir", "{file}"], ["convert", "{file}"]])
+def test_a_directory_flag_given_a_file_exits_2(argv, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("kept")
+    with pytest.raises(SystemExit) as e:
+        cli.main([a.format(file=file) for a in argv])
+    assert e.value.code == 2
+    assert f"{file} exists and is not a directory" in capsys.readouterr().err
+    assert file.read_text() == "kept"
+
+
 def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "hi", "--max-new-tokens", "0"])

@@ -96,6 +96,29 @@ def test_perplexity_refuses_ids_it_would_wrap_or_flatten(llama):
         perplexity(llama.params, [5.5, 6.5, 7.5], context=4)
 
 
+@pytest.mark.parametrize("dtype, message", [
+    ("int8", r"dtype must be a floating type .*got int8"),  # the weights' dtype; int8 is quant="int8"
+    ("bool", r"dtype must be a floating type"),
+    ("floatx", r"unknown dtype 'floatx'"),
+])
+def test_load_refuses_a_dtype_the_model_cannot_run_in(llama, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        jaxllm.load(llama.path, dtype=dtype)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("JAXLLM_LOAD_THREADS", "abc", "JAXLLM_LOAD_THREADS='abc' is not an integer"),
+    ("JAXLLM_DECODE_TILES", "64,128", "JAXLLM_DECODE_TILES='64,128' is not a comma-separated list of 3 integers"),
+])
+def test_a_tuning_variable_that_does_not_parse_is_named(name, value, message):
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", "import jaxllm"], env=dict(os.environ, **{name: value}),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and message in r.stderr.splitlines()[-1], r.stderr[-2000:]
+
+
 def test_low_level_calls_check_token_ids(llama):
     params = llama.params
     cache = jaxllm.init_cache(params.config, 1, 8, params.dtype)
