@@ -127,10 +127,12 @@ def _devices(params: Params) -> list:
         if tp is not None else [jax.local_devices()[0]]
 
 
-def request_bytes(params: Params, batch: int, tokens: int, length: int, kv_dtype=None) -> tuple[int, int]:
+def request_bytes(params: Params, batch: int, tokens: int, length: int, kv_dtype=None,
+                  all_logits: bool = False) -> tuple[int, int]:
     """What a request adds on each device beside the weights: (KV cache bytes, the bound on one
     step's activations) for a cache of `length` slots for `batch` rows and a prefill of `tokens`
-    prompt tokens per row into it (empty)."""
+    prompt tokens per row into it (empty); with `all_logits`, float32 logits of every position
+    (`forward`'s output) among the activations."""
     cfg, tp = params.config, params.tp
     heads = tp.size if tp is not None and tp.heads else 1
     split = dict(heads_split=heads, ffn_split=tp.size if tp is not None and tp.ffn else 1,
@@ -139,8 +141,11 @@ def request_bytes(params: Params, batch: int, tokens: int, length: int, kv_dtype
     rows = batch // data  # per device
     dtype = params.dtype
     kv = cache_bytes(cfg, rows, length, dtype, kv_dtype) // heads
-    return kv, activation_bytes(cfg, rows, min(tokens, length), length, dtype, **split, fresh=True,
-                                flash=uses_cudnn_attention(dtype, cfg.head_dim))
+    act = activation_bytes(cfg, rows, min(tokens, length), length, dtype, **split, fresh=True,
+                           flash=uses_cudnn_attention(dtype, cfg.head_dim))
+    if all_logits:
+        act += rows * min(tokens, length) * -(-cfg.vocab_size // split["vocab_split"]) * F32
+    return kv, act
 
 
 def program_bytes(compiled) -> int:
@@ -152,13 +157,14 @@ def program_bytes(compiled) -> int:
 
 
 def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=None,
-              allocated: Callable[[], int] | None = None) -> None:
+              allocated: Callable[[], int] | None = None, all_logits: bool = False) -> None:
     """ValueError unless a cache of `length` slots for `batch` rows and a prefill of `tokens`
     prompt tokens per row into it (empty) fit in the free memory of every device the params live on.
 
-    `allocated`, if given, returns `program_bytes` of the compiled program that will serve the
-    request, its KV cache made inside it. Where the bound says the request fits, that count is
-    checked too, the activations being what it holds beyond the cache. The bound is an estimate:
+    `all_logits` counts float32 logits of every position, as `forward` returns them (its k and v
+    stand in for the cache). `allocated`, if given, returns `program_bytes` of the compiled
+    program that will serve the request, its KV cache made inside it. Where the bound says the
+    request fits, that count is checked too, the activations being what it holds beyond the cache. The bound is an estimate:
     on an H200, 128-token prompts held 1.6-5 times it in float (Qwen3-0.6B, Mixtral-8x7B,
     Qwen3-30B-A3B) and 3-22 times in int8, whose prefill converts weights to the model dtype
     (2026-12-01, `.device/probe_temp.py`).
@@ -168,7 +174,7 @@ def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=Non
     exact, scale = None, 1.0
 
     def need(b: int, s: int) -> tuple[int, int]:  # b: rows of the whole batch
-        kv, act = request_bytes(params, b, tokens, s, kv_dtype)
+        kv, act = request_bytes(params, b, tokens, s, kv_dtype, all_logits)
         return kv, int(act * scale)
 
     for device in _devices(params):

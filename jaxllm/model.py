@@ -19,6 +19,7 @@ from jaxllm import layers as L
 from jaxllm import sharding
 from jaxllm.cache import KVCache, init_cache
 from jaxllm.config import ModelConfig, rope_frequencies
+from jaxllm.memory import check_fit
 from jaxllm.params import Layer, Params
 from jaxllm.quant import QuantizedWeight
 
@@ -526,6 +527,7 @@ def forward(params: Params, tokens_BT) -> jax.Array:
     if tokens.shape[1] > params.config.max_position_embeddings:
         raise ValueError(f"{tokens.shape[1]} tokens exceed the model's context of "
                          f"{params.config.max_position_embeddings}")
+    check_fit(params, *tokens.shape, tokens.shape[1], all_logits=True)
     return _forward(params, jnp.asarray(tokens))
 
 

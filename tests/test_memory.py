@@ -169,6 +169,23 @@ def test_on_the_cpu_the_hosts_memory_is_what_is_free(monkeypatch, params, tmp_pa
     assert "only 1.05 MB of its 4.19 MB are free" in str(e.value), str(e.value)
 
 
+def test_forward_counts_the_logits_it_returns(monkeypatch, params):
+    """forward's [B, T, V] float32 logits can outweigh everything else: a request whose logits
+    alone exceed what is free fails before anything runs."""
+    cfg = params.config
+    B, T = 4, 64
+    logits = B * T * cfg.vocab_size * 4
+    kv, act = memory.request_bytes(params, B, T, T)
+    assert memory.request_bytes(params, B, T, T, all_logits=True) == (kv, act + logits)
+    fake_free(monkeypatch, kv + act + logits // 2)
+    monkeypatch.setattr(jaxllm.model, "_forward", lambda *a: pytest.fail("forward ran"))
+    with pytest.raises(ValueError, match="out of device memory"):
+        jaxllm.forward(params, np.full((B, T), 5, np.int32))
+    monkeypatch.undo()  # forward itself back; and room for the logits too
+    fake_free(monkeypatch, kv + act + logits + 1000)
+    assert jaxllm.forward(params, np.full((B, T), 5, np.int32)).shape == (B, T, cfg.vocab_size)
+
+
 def test_stream_weighs_xla_count_of_its_prefill_and_compiles_it_once(monkeypatch, params):
     # stream's cache is an argument of its steps: XLA's count of the prefill step comes on top of
     # it. The step compiled for the count is the one the stream then runs.
