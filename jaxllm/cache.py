@@ -5,8 +5,11 @@ slot in `start`, so row b's token at slot s sits at position s - start[b]. Its s
 2 * L * B * S * K * H * itemsize; nothing else grows per token.
 """
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxllm.config import ModelConfig
@@ -38,8 +41,18 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16,
     `kv_dtype` "int8" (or jnp.int8) stores keys and values as int8 with a float32 scale per
     (row, KV head, slot): half the bytes a decode step reads from the cache. Default: `dtype`.
     """
+    for name, n in (("batch", batch), ("length", length)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"cache {name} must be a whole number >= 1, got {n!r}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"cache dtype must be a floating type (kv_dtype='int8' for an int8 cache), got {dtype}")
     L = config.num_layers
     shape = (batch, config.num_kv_heads, length, config.head_dim)
+    if start is not None and not isinstance(start, jax.core.Tracer):  # a traced start is checked where it is made
+        given = np.asarray(start)
+        if given.shape != (batch,) or given.dtype.kind not in "iu" or given.min() < 0 or given.max() >= length:
+            raise ValueError(f"start must be {batch} whole numbers in [0, {length}) (each row's first slot), "
+                             f"got {given.tolist()}")
     start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
     int8 = is_int8(kv_dtype)
     store = jnp.int8 if int8 else dtype

@@ -544,6 +544,11 @@ def _check_room(cache: KVCache, new: int, params: Params) -> int:
     if cursor + new > cache.length:
         raise ValueError(f"cache full: writing {new} token(s) at slot {cursor} needs "
                          f"{cursor + new} slots, the cache has {cache.length}")
+    context = params.config.max_position_embeddings
+    last = cursor + new - 1 - int(jnp.min(cache.start))  # the position of the longest row's last token
+    if last >= context:
+        raise ValueError(f"writing {new} token(s) at slot {cursor} reaches position {last}, past the "
+                         f"model's context of {context} tokens")
     return cursor
 
 

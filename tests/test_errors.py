@@ -119,6 +119,24 @@ def test_a_tuning_variable_that_does_not_parse_is_named(name, value, message):
     assert r.returncode != 0 and message in r.stderr.splitlines()[-1], r.stderr[-2000:]
 
 
+def test_low_level_calls_check_the_cache_and_the_context(llama):
+    params, cfg = llama.params, llama.params.config
+    for kwargs, message in [(dict(batch=-1, length=8), r"cache batch must be a whole number >= 1, got -1"),
+                            (dict(batch=1, length=2.5), r"cache length must be a whole number"),
+                            (dict(batch=1, length=8, dtype="int32"), r"cache dtype must be a floating type"),
+                            (dict(batch=2, length=8, start=[0]), r"start must be 2 whole numbers in \[0, 8\)"),
+                            (dict(batch=2, length=8, start=[0, -1]), r"start must be 2 whole numbers")]:
+        with pytest.raises(ValueError, match=message):
+            jaxllm.init_cache(cfg, **kwargs)
+    # A cache longer than the model's context may hold a prompt; positions past it are refused.
+    cache = jaxllm.init_cache(cfg, 1, MAX_POS + 8, params.dtype)
+    with pytest.raises(ValueError, match=rf"reaches position {MAX_POS + 3}, past the model's context of {MAX_POS}"):
+        jaxllm.prefill(params, random_tokens((1, MAX_POS + 4)), cache)
+    _, cache = jaxllm.prefill(params, random_tokens((1, MAX_POS)), cache)
+    with pytest.raises(ValueError, match=rf"reaches position {MAX_POS}, past the model's context"):
+        jaxllm.decode_step(params, [5], cache)
+
+
 def test_low_level_calls_check_token_ids(llama):
     params = llama.params
     cache = jaxllm.init_cache(params.config, 1, 8, params.dtype)
