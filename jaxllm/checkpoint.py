@@ -12,6 +12,7 @@ each device reads every layer's wqkv, bqkv and wo whole, then keeps its slice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm import sharding
-from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.config import ModelConfig, RopeConfig, read_json_object
 from jaxllm.params import Params, abstract_params, layer_specs, leaf_paths, top_specs
 from jaxllm.quant import QuantizedWeight, is_quantized, quantize_params
 
@@ -40,13 +41,26 @@ def _config_to_json(cfg: ModelConfig) -> dict:
 
 
 def _config_from_json(d: dict) -> ModelConfig:
+    """The ModelConfig of a jaxllm_config.json, every key checked by name."""
     if d.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {d.get('format')!r} is not {FORMAT}: convert it again")
-    c = dict(d["config"])
-    c["rope"] = RopeConfig(**c["rope"])
+    c = _fields(d.get("config"), ModelConfig, "config")
+    c["rope"] = RopeConfig(**_fields(c["rope"], RopeConfig, "config.rope"))
     for key in ("sliding_layers", "moe_layers", "eos_token_ids"):
-        c[key] = tuple(c[key])
+        if isinstance(c[key], list):  # anything else ModelConfig refuses by name
+            c[key] = tuple(c[key])
     return ModelConfig(**c)
+
+
+def _fields(d, cls, where: str) -> dict:
+    """`d` as the keyword arguments of dataclass `cls`: an object with exactly its fields."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object, not {d!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    missing, extra = sorted(names - d.keys()), sorted(d.keys() - names)
+    if missing or extra:
+        raise ValueError(f"{where} lacks keys {missing} / has unknown keys {extra}: convert it again")
+    return dict(d)
 
 
 def _to_tree(params: Params) -> dict:
@@ -118,25 +132,39 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
-    meta_json = json.loads((directory / CONFIG_FILE).read_text())
-    cfg = _config_from_json(meta_json)
-    if meta_json.get("quant") == "int8":
+    config_file = directory / CONFIG_FILE
+    meta_json = read_json_object(config_file)
+    try:
+        cfg = _config_from_json(meta_json)
+        quant, saved_dtype = meta_json.get("quant"), meta_json.get("dtype")
+        if quant not in (None, "int8") or (quant and saved_dtype not in ("float32", "bfloat16", "float16")):
+            raise ValueError(f"quant {quant!r} with dtype {saved_dtype!r} is not what jaxllm writes")
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+    if not (directory / "params").is_dir():
+        raise ValueError(f"{directory}: the converted checkpoint has no params/ directory")
+    if quant == "int8":
         if mesh is not None:
             raise ValueError(f"{directory} holds int8 weights, which restore onto one device only; "
                              "convert without --quant to shard it")
-        return _restore_quantized(directory, cfg, jnp.dtype(dtype or meta_json["dtype"]))
+        with _reading(directory):
+            return _restore_quantized(directory, cfg, jnp.dtype(dtype or saved_dtype))
     stored = abstract_params(cfg, jnp.float32)
-    with ocp.StandardCheckpointer() as ckpt:
+    with _reading(directory), ocp.StandardCheckpointer() as ckpt:
         meta = ckpt.metadata(directory / "params")
-    meta_tree = getattr(meta, "item_metadata", meta)
-    meta_tree = getattr(meta_tree, "tree", meta_tree)
-    stored_dtype = jnp.dtype(jax.tree.leaves(meta_tree)[0].dtype)
+        meta_tree = getattr(meta, "item_metadata", meta)
+        meta_tree = getattr(meta_tree, "tree", meta_tree)
+        leaves = jax.tree.leaves(meta_tree)
+    if not leaves:
+        raise ValueError(f"{directory}: the converted checkpoint's params/ lists no arrays (its "
+                         "_METADATA or manifest.ocdbt is missing or damaged): convert it again")
+    stored_dtype = jnp.dtype(leaves[0].dtype)
     dtype = stored_dtype if dtype is None else jnp.dtype(dtype)
 
     if mesh is None:
         device = NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("one",)), P())
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=device), stored)
-        with ocp.StandardCheckpointer() as ckpt:
+        with _reading(directory), ocp.StandardCheckpointer() as ckpt:
             tree = ckpt.restore(directory / "params", _to_tree(target))
         return _from_tree(tree, stored)
 
@@ -163,12 +191,25 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
     paths = leaf_paths(stored)
     target = jax.tree.unflatten(jax.tree.structure(stored),
                                 [target_of(p, s) for p, s in zip(paths, jax.tree.leaves(stored))])
-    with ocp.StandardCheckpointer() as ckpt:
+    with _reading(directory), ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(directory / "params", _to_tree(target))
     params = _from_tree(tree, target)
     if r > 1:
         params = _relayout(params, cfg, layout, tp, mesh2)
     return params.replace(config=layout, tp=tp)
+
+
+@contextlib.contextmanager
+def _reading(directory: Path):
+    """Any failure of orbax or tensorstore reading params/ (a missing, truncated or corrupted
+    file raises a bare `Exception`) as a ValueError naming the checkpoint, the original its cause."""
+    try:
+        yield
+    except Exception as e:
+        # tensorstore's first line says what failed; a dump of its spec follows
+        problem = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0][:300]
+        raise ValueError(f"{directory}: cannot read the converted checkpoint's params/: "
+                         f"{type(e).__name__}: {problem}") from e
 
 
 def _restore_quantized(directory: Path, cfg: ModelConfig, dtype) -> Params:

@@ -19,6 +19,45 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
+def _fix(obj, name: str, value):
+    """Set a field of a frozen dataclass in its __post_init__ (a checked value, normalized)."""
+    object.__setattr__(obj, name, value)
+
+
+def _as_int(name: str, value, least: int | None = None) -> int:
+    """`value` as an int: an int or a whole float, not a bool, >= least; else a ValueError naming it."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, not {value!r}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, not {value}")
+    return int(value)
+
+
+def _as_float(name: str, value, *, above: float | None = None, least: float | None = None,
+              most: float | None = None) -> float:
+    """`value` as a finite float within the bounds given (above: exclusive), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, not {value!r}")
+    if not (math.isfinite(value) and (above is None or value > above) and (least is None or value >= least)
+            and (most is None or value <= most)):
+        bounds = [b for b in (above is not None and f"> {above}", least is not None and f">= {least}",
+                              most is not None and f"<= {most}") if b]
+        raise ValueError(f"{name} must be a finite number {' and '.join(bounds)}".rstrip() + f", not {value!r}")
+    return float(value)
+
+
+def _as_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be true or false, not {value!r}")
+    return bool(value)
+
+
+def _rope_key(name: str) -> str:
+    return "rope_theta" if name == "theta" else f"rope {name}"
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters` / older `rope_theta` + `rope_scaling`)."""
@@ -36,6 +75,29 @@ class RopeConfig:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.rope_type!r}; supported: {ROPE_TYPES}")
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+            _fix(self, name, _as_float(_rope_key(name), getattr(self, name), above=0.0))
+        for name, above in (("attention_factor", 0.0), ("mscale", None), ("mscale_all_dim", None)):
+            if getattr(self, name) is not None:
+                _fix(self, name, _as_float(_rope_key(name), getattr(self, name), above=above))
+        _fix(self, "partial_rotary_factor",
+             _as_float("partial_rotary_factor", self.partial_rotary_factor, above=0.0, most=1.0))
+        if self.original_max_position_embeddings is not None:
+            _fix(self, "original_max_position_embeddings", _as_int(
+                "rope original_max_position_embeddings", self.original_max_position_embeddings, 1))
+        _as_bool("rope truncate", self.truncate)
+        if self.rope_type == "llama3":  # the smoothing ramp divides by high - low
+            if self.original_max_position_embeddings is None:
+                raise ValueError("llama3 rope needs original_max_position_embeddings")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError(f"llama3 rope needs high_freq_factor > low_freq_factor, not "
+                                 f"{self.high_freq_factor} and {self.low_freq_factor}")
+        if self.rope_type == "yarn" and self.theta == 1.0:  # yarn's ramp divides by log(theta)
+            raise ValueError("yarn rope needs rope_theta != 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +132,45 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        """Every field checked (and whole floats made ints): a config from any source, a
+        converted checkpoint's jaxllm_config.json included, fails here by name, not later as a NaN."""
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unknown architecture: model_type {self.model_type!r}; "
+                             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            _fix(self, name, _as_int(name, getattr(self, name), 1))
+        for name in ("ffn_size", "num_experts", "experts_per_token", "moe_ffn_size"):
+            _fix(self, name, _as_int(name, getattr(self, name), 0))
+        _fix(self, "rms_norm_eps", _as_float("rms_norm_eps", self.rms_norm_eps, least=0.0))
+        if self.sliding_window is not None:
+            _fix(self, "sliding_window", _as_int("sliding_window", self.sliding_window, 1))
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "norm_topk_prob"):
+            _as_bool(name, getattr(self, name))
+        for name in ("sliding_layers", "moe_layers"):  # longer is fine (a preset cut to fewer layers)
+            flags = getattr(self, name)
+            if not (isinstance(flags, tuple) and all(isinstance(f, bool) for f in flags)
+                    and (not flags or len(flags) >= self.num_layers)):
+                raise ValueError(f"{name} must be empty or one bool per layer "
+                                 f"({self.num_layers} layers), not {flags!r}")
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None:
+                _fix(self, name, _as_int(name, getattr(self, name)))
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ValueError(f"eos_token_ids must be a tuple of ints, not {self.eos_token_ids!r}")
+        _fix(self, "eos_token_ids", tuple(_as_int("eos_token_ids", e) for e in self.eos_token_ids))
+        if not isinstance(self.rope, RopeConfig):
+            raise ValueError(f"rope must be a RopeConfig, not {self.rope!r}")
+        if int(self.head_dim * self.rope.partial_rotary_factor) < 2:
+            raise ValueError(f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim "
+                             f"{self.head_dim} leaves no pair of channels to rotate")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}")
-        if self.rope.rope_type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {self.rope.rope_type!r}; supported: {ROPE_TYPES}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.experts_per_token} must be between 1 and "
+                             f"the expert count {self.num_experts}")
 
     @property
     def q_per_kv(self) -> int:  # G
@@ -97,17 +192,18 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, source: str | Path | dict) -> "ModelConfig":
         """Read a Hugging Face config.json (path, directory or parsed dict)."""
-        if not isinstance(source, dict):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            try:
-                source = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise ValueError(f"{path} not found: a Hugging Face checkpoint needs config.json") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return _from_hf_dict(source)
+        if isinstance(source, dict):
+            return _from_hf_dict(source)
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ValueError(f"{path} not found: a Hugging Face checkpoint needs config.json")
+        c = read_json_object(path)
+        try:
+            return _from_hf_dict(c)
+        except ValueError as e:  # the one place a malformed config.json gets its file named
+            raise ValueError(f"{path}: {e}") from None
 
     def to_hf(self) -> dict:
         """A Hugging Face config.json (as a dict) that `from_hf` reads back as this config and
@@ -157,6 +253,54 @@ class ModelConfig:
         return c
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file whose top level is an object, else a ValueError naming the file."""
+    if not path.is_file():  # a directory or a FIFO (which would block the read) is refused unopened
+        raise ValueError(f"{path} is not a regular file")
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: not UTF-8 ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} is malformed: its top level is {type(d).__name__}, not an object")
+    return d
+
+
+_REQUIRED = object()
+
+
+def _int(c: dict, key: str, default=_REQUIRED, least: int | None = 1) -> int:
+    """config key `key` as an int >= least; absent or null: `default` (no default: an error)."""
+    value = c.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json lacks required key {key!r}")
+        return default
+    return _as_int(key, value, least)
+
+
+def _float(c: dict, key: str, default: float, **bounds) -> float:
+    value = c.get(key)
+    return default if value is None else _as_float(key, value, **bounds)
+
+
+def _bool(c: dict, key: str, default: bool) -> bool:
+    value = c.get(key)
+    return default if value is None else _as_bool(key, value)
+
+
+def _int_list(c: dict, key: str, least: int | None = None) -> list[int]:
+    """An int or a list of ints (e.g. eos_token_id), as a list; absent or null: []."""
+    value = c.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        value = [value]
+    return [_as_int(key, v, least) for v in value]
+
+
 def _from_hf_dict(c: dict) -> ModelConfig:
     model_type = c.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -164,75 +308,79 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         raise ValueError(
             f"unknown architecture: model_type {model_type!r} (architectures {archs}); "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    try:
-        num_layers = int(c["num_hidden_layers"])
-        num_heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-    except KeyError as e:
-        raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
-    num_kv = int(c.get("num_key_value_heads") or num_heads)
-    head_dim = int(c.get("head_dim") or hidden // num_heads)
+    num_layers = _int(c, "num_hidden_layers")
+    num_heads = _int(c, "num_attention_heads")
+    hidden = _int(c, "hidden_size")
+    num_kv = _int(c, "num_key_value_heads", num_heads)
+    head_dim = _int(c, "head_dim", hidden // num_heads)
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r}: only silu is implemented")
-    if c.get("mlp_bias"):
+    if _bool(c, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
 
     # Sliding windows: Mistral slides on every layer when sliding_window is set; Qwen2/3 only with
     # use_sliding_window, on the layers listed in layer_types (or from max_window_layers on);
     # Qwen3-MoE with use_sliding_window on every layer (transformers reads no max_window_layers for it).
-    window = c.get("sliding_window")
+    window = None
     sliding_layers: tuple[bool, ...] = ()
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
-        window = None
+    if model_type in ("llama", "mixtral", "mistral") or _bool(c, "use_sliding_window", False):
+        window = _int(c, "sliding_window", None)
     if window is not None:
         layer_types = c.get("layer_types")
         if layer_types:
+            if not (isinstance(layer_types, list) and len(layer_types) == num_layers
+                    and all(t in ("sliding_attention", "full_attention") for t in layer_types)):
+                raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' for "
+                                 f"each of the {num_layers} layers, not {layer_types!r}")
             sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
         elif model_type in ("qwen2", "qwen3"):
-            first = int(c.get("max_window_layers", num_layers))
+            first = _int(c, "max_window_layers", num_layers, least=0)
             sliding_layers = tuple(i >= first for i in range(num_layers))
         else:
             sliding_layers = (True,) * num_layers
-        window = int(window)
 
     # Absent keys take transformers' config defaults. transformers 5 writes Qwen3-MoE's expert count
     # as num_local_experts (an attribute_map alias); published checkpoints spell it num_experts.
     num_experts, per_token, moe_ffn, moe_layers, norm_topk = 0, 0, 0, (), True
     if model_type == "mixtral":
-        num_experts = int(c.get("num_local_experts", 8))
-        per_token = int(c.get("num_experts_per_tok", 2))
-        moe_ffn = int(c["intermediate_size"])
+        num_experts = _int(c, "num_local_experts", 8)
+        per_token = _int(c, "num_experts_per_tok", 2)
+        moe_ffn = _int(c, "intermediate_size")
         moe_layers = (True,) * num_layers
         norm_topk = True  # Mixtral's router always renormalizes its top-k; it has no such key
     elif model_type == "qwen3_moe":
-        num_experts = int(c.get("num_experts", c.get("num_local_experts", 128)))
-        per_token = int(c.get("num_experts_per_tok", 8))
-        moe_ffn = int(c.get("moe_intermediate_size", 768))
-        norm_topk = bool(c.get("norm_topk_prob", False))
-        step = int(c.get("decoder_sparse_step", 1))
-        dense = set(c.get("mlp_only_layers") or ())
+        experts_key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
+        num_experts = _int(c, experts_key, 128, least=0)
+        per_token = _int(c, "num_experts_per_tok", 8)
+        moe_ffn = _int(c, "moe_intermediate_size", 768)
+        norm_topk = _bool(c, "norm_topk_prob", False)
+        step = _int(c, "decoder_sparse_step", 1)
+        dense = c.get("mlp_only_layers") or []
+        if not isinstance(dense, list):
+            raise ValueError(f"mlp_only_layers must be a list of layer numbers, not {dense!r}")
+        dense = {_as_int("mlp_only_layers", i, 0) for i in dense}
         moe_layers = tuple(
             i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
-    if num_experts and not 0 < per_token <= num_experts:
-        raise ValueError(f"num_experts_per_tok {per_token} must be between 1 and the expert count "
-                         f"{num_experts}")
 
-    eos = c.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-    attention_bias = bool(c.get("attention_bias", False))
+    attention_bias = _bool(c, "attention_bias", False)
+    bos = _int_list(c, "bos_token_id")
+    pad = _int_list(c, "pad_token_id")
+    if len(bos) > 1 or len(pad) > 1:
+        raise ValueError(f"bos_token_id and pad_token_id must be one integer each, not "
+                         f"{c.get('bos_token_id')!r} and {c.get('pad_token_id')!r}")
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(c["vocab_size"]),
+        vocab_size=_int(c, "vocab_size"),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        ffn_size=int(c.get("intermediate_size", 0)),
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        ffn_size=_int(c, "intermediate_size", 0, least=0),
+        max_position_embeddings=_int(c, "max_position_embeddings", 2048),
+        rms_norm_eps=_float(c, "rms_norm_eps", 1e-6, least=0.0),
         rope=_rope_from_hf(c),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_bool(c, "tie_word_embeddings", False),
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type in ("llama", "mistral") and attention_bias,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -243,45 +391,42 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         moe_ffn_size=moe_ffn,
         norm_topk_prob=norm_topk,
         moe_layers=moe_layers,
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        pad_token_id=c.get("pad_token_id"),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=tuple(_int_list(c, "eos_token_id")),
+        pad_token_id=pad[0] if pad else None,
     )
 
 
 def _rope_from_hf(c: dict) -> RopeConfig:
     """Reads transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters/rope_scaling must be an object, not {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    original = params.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
-    if rope_type in ("llama3", "yarn") and original is None:
-        original = c.get("max_position_embeddings")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
+    # a key inside rope_parameters wins over the same key at the top level
+    merged = {**c, **params}
+    original = _int(merged, "original_max_position_embeddings", None)
+    if rope_type in ("llama3", "yarn") and original is None:
+        original = _int(c, "max_position_embeddings", None)
+    factor = _float(params, "factor", None, above=0.0)
+    if factor is None:  # transformers' yarn without a factor (DeepSeek-V3 style): the context ratio
+        factor = _int(c, "max_position_embeddings", original) / original if rope_type == "yarn" and original else 1.0
+    optional = {k: _float(params, k, None) for k in ("attention_factor", "mscale", "mscale_all_dim")}
     return RopeConfig(
-        theta=float(theta),
+        theta=_float(merged, "rope_theta", 10000.0),
         rope_type=rope_type,
-        factor=float(params.get("factor") or _default_factor(rope_type, original, c)),
-        partial_rotary_factor=float(partial),
-        original_max_position_embeddings=None if original is None else int(original),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        attention_factor=params.get("attention_factor"),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
+        factor=factor,
+        partial_rotary_factor=_float(merged, "partial_rotary_factor", 1.0),
+        original_max_position_embeddings=original,
+        low_freq_factor=_float(params, "low_freq_factor", 1.0),
+        high_freq_factor=_float(params, "high_freq_factor", 4.0),
+        beta_fast=_float(params, "beta_fast", 32.0),
+        beta_slow=_float(params, "beta_slow", 1.0),
+        truncate=_bool(params, "truncate", True),
+        **optional,
     )
-
-
-def _default_factor(rope_type: str, original: int | None, c: dict) -> float:
-    # transformers' yarn without a factor (DeepSeek-V3 style) scales by the context ratio.
-    if rope_type == "yarn" and original:
-        return c.get("max_position_embeddings", original) / original
-    return 1.0
 
 
 def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[np.ndarray, float]:

@@ -32,6 +32,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from jaxllm.config import ModelConfig
+
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 counted with 32-bit integers; llama.cpp dropped it in 2023
 _DEFAULT_ALIGNMENT = 32
@@ -335,6 +337,11 @@ def gguf_to_hf_config(path_or_header) -> dict:
             # e.g. a per-layer head count list (hybrid models): not an architecture we run
             raise ValueError(f"{header.path}: GGUF metadata {prefix + key} is {type(value).__name__}, "
                              f"expected a number")
+        # a NaN or negative eps, or a zero base, would load and give NaN logits
+        positive = key == "rope.freq_base"
+        if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ValueError(f"{header.path}: GGUF metadata {prefix + key} = {value!r} is not a "
+                             f"finite number {'> 0' if positive else '>= 0'}")
     # llama.cpp's defaults when a key is absent
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
@@ -363,6 +370,10 @@ def gguf_to_hf_config(path_or_header) -> dict:
     rope_scaling = _rope_scaling(header, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    try:  # every other value checked where the file can be named
+        ModelConfig.from_hf(config)
+    except ValueError as e:
+        raise ValueError(f"{header.path}: {e}") from None
     return config
 
 
@@ -399,6 +410,9 @@ def _rope_scaling(header: GGUFHeader, config: dict) -> dict | None:
     if kind in (None, "none"):
         return None
     factor = meta.get(prefix + "factor")
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        raise ValueError(f"{header.path}: GGUF metadata {prefix}factor = {factor!r} is not a finite "
+                         f"number > 0")
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":

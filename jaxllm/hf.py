@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, read_json_object
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -28,32 +28,31 @@ def read_config(path: Path) -> ModelConfig:
     """ModelConfig from config.json, with stop ids from generation_config.json when present."""
     cfg = ModelConfig.from_hf(path / "config.json")
     gen = path / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{gen} is not valid JSON: {e}") from None
+    if gen.exists():
+        eos = read_json_object(gen).get("eos_token_id")
         if eos is not None:
-            ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-            cfg = dataclasses.replace(cfg, eos_token_ids=ids)
+            try:  # ModelConfig checks each id
+                cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]))
+            except ValueError as e:
+                raise ValueError(f"{gen}: eos_token_id: {e}") from None
     return cfg
 
 
 def safetensor_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files: from the index when sharded, else model.safetensors."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is malformed: {e!r}") from None
+    if index.exists():
+        weight_map = read_json_object(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise ValueError(f"{index} is malformed: weight_map must map tensor names to file names, "
+                             f"not {str(weight_map)[:100]}")
         files = sorted({path / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
+        missing = [f.name for f in files if not f.exists()]
         if missing:
             raise ValueError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
         return files
     single = path / "model.safetensors"
-    if single.is_file():
+    if single.exists():
         return [single]
     found = sorted(path.glob("*.safetensors"))
     if found:
@@ -88,6 +87,8 @@ class SafetensorsReader(contextlib.ExitStack):
         super().__init__()
         self.shapes, self._extents = {}, {}
         for number, f in enumerate(files):
+            if not f.is_file():  # a directory fails oddly, a FIFO blocks safe_open forever
+                raise ValueError(f"{f} is not a regular file")
             try:
                 handle = self.enter_context(safe_open(str(f), framework="numpy"))
                 for name in handle.keys():
