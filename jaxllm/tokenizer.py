@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import operator
 import os
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -106,21 +109,27 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(int(token_id))
+        return self.backend.id_to_token(self._check_ids([token_id])[0])
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|im_start|>`) become their ids.
         `add_special_tokens` adds what the tokenizer's post-processor adds (BOS, for most llamas)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        _check_utf8(text, "the text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        checked = []
+        for i in ids:
+            try:  # ints and numpy/jax integer scalars; int() would silently truncate 1.7
+                checked.append(operator.index(i))
+            except TypeError:
+                raise ValueError(f"token ids must be integers, got {i!r}") from None
+        bad = [i for i in checked if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}")
-        return ids
+        return checked
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
@@ -141,11 +150,30 @@ class Tokenizer:
             raise ValueError(f"{self.name} has no chat template; pass chat_template= or encode raw text")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
+        for n, message in enumerate(messages):
+            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
+                _check_utf8(message["content"], f"message {n}'s content")
         specials = {"bos_token": self._specials.bos, "eos_token": self._specials.eos,
                     "unk_token": self._specials.unk, "pad_token": self._specials.pad}
         context = {k: v for k, v in specials.items() if v is not None} | template_kwargs
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    tools=tools, **context)
+        try:
+            return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                        tools=tools, **context)
+        except ChatTemplateError as e:
+            if chat_template:  # the caller's own template: the message says enough
+                raise
+            raise ChatTemplateError(f"{self.name}: {e}") from None  # the model file's template
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Refuse lone surrogates: Python hands undecodable input bytes (a prompt in another encoding on
+    the command line) over as U+DC80..U+DCFF, which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        found = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise ValueError(f"{what} is not valid UTF-8: {found} at character {e.start}") from None
 
 
 class TextStream:
@@ -192,6 +220,14 @@ class ChatTemplateError(ValueError):
     """The chat template failed, refused the conversation, or tried something the sandbox forbids."""
 
 
+# The sandbox stops code execution, not runaway work: it caps one range() at 100,000 items, but not
+# loops nested over several, nor `'a' * 10**10` or `2 ** 10**7`. A real template needs a few hundred
+# range items and small numbers; these limits leave ample room and fail in well under a second.
+_TEMPLATE_MAX_ITEMS = 1_000_000  # range() items over one render, and items of one repeated str/list
+_TEMPLATE_MAX_DIGITS = 4300  # digits of an int from * or ** (Python's own limit for printing one)
+_range_budget: ContextVar[list[int]] = ContextVar("_range_budget")  # [items left], set per render
+
+
 def _alias_reasoning(message: dict) -> dict:
     """transformers fills `reasoning_content` and `thinking` from any of the names a message's
     reasoning comes under, since templates read one or the other."""
@@ -229,7 +265,7 @@ def _plain(value):
 def _compile(template: str):
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     class GenerationTag(Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it
@@ -252,6 +288,37 @@ def _compile(template: str):
 
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
+
+    def budget_range(*args):
+        items = safe_range(*args)  # jinja's cap on one range() still holds
+        left = _range_budget.get()
+        left[0] -= len(items)
+        if left[0] < 0:
+            raise ChatTemplateError(f"the chat template loops over more than {_TEMPLATE_MAX_ITEMS} "
+                                    "range() items in total")
+        return items
+
+    class TemplateEnvironment(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, refusing `*` and `**` results too large to build."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, op, left, right):
+            ints = isinstance(left, int) and isinstance(right, int)
+            if op == "*":
+                seq, times = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                        and len(seq) * times > _TEMPLATE_MAX_ITEMS:
+                    raise ChatTemplateError(f"the chat template repeats a {type(seq).__name__} to "
+                                            f"{len(seq) * times} items (the limit is {_TEMPLATE_MAX_ITEMS})")
+                huge = ints and (abs(left).bit_length() + abs(right).bit_length()) * math.log10(2) \
+                    > _TEMPLATE_MAX_DIGITS
+            else:  # ** (right compared, not multiplied: it can be too big for a float)
+                huge = ints and abs(left) > 1 and right > _TEMPLATE_MAX_DIGITS / math.log10(abs(left))
+            if huge:
+                raise ChatTemplateError(f"the chat template computes an integer of over "
+                                        f"{_TEMPLATE_MAX_DIGITS} digits with {op}")
+            return super().call_binop(context, op, left, right)
 
     class TemplateDict:
         """`dict(...)` for templates without exposing the `dict` type itself."""
@@ -282,17 +349,14 @@ def _compile(template: str):
                 raise jinja2.exceptions.SecurityError(
                     f"chat templates cannot set underscore attributes on a namespace ({name!r})")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, loopcontrols])
+    env = TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.globals["range"] = budget_range
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
-    try:
-        return env.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the chat template does not parse: {e} (line {e.lineno})") from None
+    return env.from_string(template)
 
 
 def render_chat_template(template: str, messages: list[Mapping], *, add_generation_prompt: bool = True,
@@ -307,14 +371,22 @@ def render_chat_template(template: str, messages: list[Mapping], *, add_generati
             raise TypeError(f"chat messages must be dicts, got {message!r}")
         # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not None
         chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
-    compiled = _compile(template)
+    budget = _range_budget.set([_TEMPLATE_MAX_ITEMS])
     try:
-        return compiled.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **_plain(context))
+        return _compile(template).render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                         add_generation_prompt=add_generation_prompt, **_plain(context))
+    except ChatTemplateError:
+        raise
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not parse: {e} (line {e.lineno})") from None
     except jinja2.exceptions.SecurityError as e:
         raise ChatTemplateError(f"the chat template tried an operation the sandbox forbids: {e}") from None
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed: {e}") from None
+    except Exception as e:  # untrusted code: RecursionError, MemoryError, TypeError, OverflowError...
+        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+    finally:
+        _range_budget.reset(budget)
 
 
 # --- building from a GGUF file -----------------------------------------------------------------
@@ -426,21 +498,34 @@ def _add_named_specials(backend: BackendTokenizer, specials: _Specials) -> None:
         backend.add_special_tokens(tokens)
 
 
+def _typed(info: dict, key: str, kind: type, path: Path):
+    """`tokenizer.{key}` from GGUF metadata, None when absent; a value of another type is refused, not
+    reinterpreted (a string "false" as a flag, a float as a token id, a string as a token list)."""
+    value = info.get(key)
+    if value is not None and type(value) is not kind:
+        raise ValueError(f"{path}: tokenizer.{key} is a {type(value).__name__} ({value!r:.80}), "
+                         f"expected a {kind.__name__}")
+    return value
+
+
 def _from_gguf(path: Path) -> Tokenizer:
     from jaxllm.gguf import gguf_tokenizer_info
 
     info = gguf_tokenizer_info(path)
-    tokens = info["ggml.tokens"]
-    types = info.get("ggml.token_type") or []
+    tokens = _typed(info, "ggml.tokens", list, path)
+    if not all(type(t) is str for t in tokens):
+        raise ValueError(f"{path}: tokenizer.ggml.tokens is not a list of strings")
+    types = _typed(info, "ggml.token_type", list, path) or []
     model = info.get("ggml.model")
     if model not in ("gpt2", "llama"):
         raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported "
                          f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
+    merges, scores = _typed(info, "ggml.merges", list, path), _typed(info, "ggml.scores", list, path)
     try:
         if model == "gpt2":
-            backend = _byte_level_bpe(tokens, info.get("ggml.merges") or [])
+            backend = _byte_level_bpe(tokens, merges or [])
         else:
-            backend = _sentencepiece_bpe(tokens, info.get("ggml.merges"), info.get("ggml.scores"))
+            backend = _sentencepiece_bpe(tokens, merges, scores)
     except Exception as e:  # tokenizers raises plain Exceptions on bad vocabularies/merges
         raise ValueError(f"{path}: the GGUF tokenizer metadata is invalid: {e}") from None
 
@@ -457,41 +542,45 @@ def _from_gguf(path: Path) -> Tokenizer:
             if kind == _USER_DEFINED and t in vocab]
     if user:
         backend.add_tokens(user)
-    split = PRE_TOKENIZER_SPLITS.get(info.get("ggml.pre"))
+    split = PRE_TOKENIZER_SPLITS.get(_typed(info, "ggml.pre", str, path))
     if split is not None and model == "gpt2":
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
+    def token_id(key):
+        i = _typed(info, f"ggml.{key}", int, path)
+        if i is not None and not 0 <= i < len(tokens):
+            raise ValueError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary")
+        return i
+
     def token(key):
-        token_id = info.get(f"ggml.{key}")
-        if token_id is None:
-            return None
-        if not 0 <= token_id < len(tokens):
-            raise ValueError(f"{path}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary")
-        return tokens[token_id]
+        i = token_id(key)
+        return None if i is None else tokens[i]
 
     specials = _Specials(bos=token("bos_token_id"), eos=token("eos_token_id"),
                          unk=token("unknown_token_id"), pad=token("padding_token_id"))
     _add_named_specials(backend, specials)
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
-    add_bos = info.get("ggml.add_bos_token", model == "llama")
-    backend.post_processor = _template_processing(specials, add_bos, info.get("ggml.add_eos_token", False),
-                                                  backend)
-    extra_eos = [info[k] for k in ("ggml.eot_token_id", "ggml.eom_token_id") if k in info]
-    return Tokenizer(backend, specials=specials, chat_template=info.get("chat_template"),
+    add_bos = _typed(info, "ggml.add_bos_token", bool, path)
+    add_bos = model == "llama" if add_bos is None else add_bos
+    add_eos = _typed(info, "ggml.add_eos_token", bool, path) or False
+    backend.post_processor = _template_processing(specials, add_bos, add_eos, backend)
+    extra_eos = [i for k in ("eot_token_id", "eom_token_id") if (i := token_id(k)) is not None]
+    return Tokenizer(backend, specials=specials, chat_template=_typed(info, "chat_template", str, path),
                      extra_eos_ids=extra_eos, name=str(path))
 
 
 # --- building from a Hugging Face directory ----------------------------------------------------
 
-def _token_content(value) -> str | None:
+def _token_content(value, what: str) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"unrecognized special token entry {value!r}")
+    raise ValueError(f"{what} is not a token (a string or an object with a \"content\" string): "
+                     f"{value!r:.80}")
 
 
 def _read_json(path: Path) -> dict:
@@ -508,13 +597,17 @@ def _chat_template(directory: Path, config: dict) -> str | None:
     """`chat_template.jinja` wins over tokenizer_config's entry, as in transformers."""
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{jinja_file}: cannot read: {e}") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
     if template is not None and not isinstance(template, str):
-        raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template is not a string")
+        raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template is a "
+                         f"{type(template).__name__}, expected a string")
     return template
 
 
@@ -530,14 +623,22 @@ def _from_hf_directory(directory: Path) -> Tokenizer:
     except Exception as e:  # tokenizers raises a plain Exception on a malformed file
         raise ValueError(f"{files['tokenizer.json']}: cannot load: {e}") from None
     config = _read_json(files["tokenizer_config.json"])
-    extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
+    key = "extra_special_tokens" if "extra_special_tokens" in config else "additional_special_tokens"
+    extra = config.get(key) or []
     if isinstance(extra, Mapping):  # v5 allows {name: token}
         extra = list(extra.values())
-    specials = _Specials(bos=_token_content(config.get("bos_token")),
-                         eos=_token_content(config.get("eos_token")),
-                         unk=_token_content(config.get("unk_token")),
-                         pad=_token_content(config.get("pad_token")),
-                         extra=tuple(_token_content(t) for t in extra))
+    if not isinstance(extra, list):  # as transformers; a string would make each letter a token
+        raise ValueError(f"{files['tokenizer_config.json']}: {key} is a {type(extra).__name__}, "
+                         f"expected a list or an object of tokens")
+
+    def special(name, value):
+        return _token_content(value, f"{files['tokenizer_config.json']}: {name}")
+
+    specials = _Specials(bos=special("bos_token", config.get("bos_token")),
+                         eos=special("eos_token", config.get("eos_token")),
+                         unk=special("unk_token", config.get("unk_token")),
+                         pad=special("pad_token", config.get("pad_token")),
+                         extra=tuple(special(key, t) for t in extra))
     _add_named_specials(backend, specials)
     # With a tokenizer.json, transformers ignores tokenizer_config's add_bos/eos_token and keeps
     # the file's post-processor; only a missing one is rebuilt (adding nothing).
@@ -547,9 +648,13 @@ def _from_hf_directory(directory: Path) -> Tokenizer:
     for name in ("generation_config.json", "config.json"):
         if (directory / name).is_file():
             eos = _read_json(directory / name).get("eos_token_id")
-            extra_eos += eos if isinstance(eos, list) else [] if eos is None else [eos]
+            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            if not all(type(i) is int for i in eos):
+                raise ValueError(f"{directory / name}: eos_token_id must be an int or a list of ints, "
+                                 f"got {eos!r:.80}")
+            extra_eos += eos
     return Tokenizer(backend, specials=specials, chat_template=_chat_template(directory, config),
-                     extra_eos_ids=[int(i) for i in extra_eos], name=str(directory))
+                     extra_eos_ids=extra_eos, name=str(directory))
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:

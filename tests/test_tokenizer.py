@@ -2,8 +2,10 @@
 sandbox, stop ids, and the streaming detokenizer."""
 
 import json
+import threading
 
 import gguf
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -139,6 +141,71 @@ def test_chat_template_errors_are_clear(ours):
         ours.apply_chat_template([])
 
 
+def test_chat_template_nested_loops_trip_the_range_budget(ours):
+    # 10**10 iterations without the budget; each range() alone is within jinja's own cap
+    template = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    errors = []
+
+    def render():
+        try:
+            ours.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template)
+        except ChatTemplateError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the template is still looping"
+    assert "1000000 range() items" in str(errors[0])
+    # the budget is per render: a template within it still renders afterwards
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}],
+                                    chat_template="{{ range(3) | list | length }}") == "3"
+
+
+HUGE_TEMPLATES = {
+    # each fails fast without the limits too, rather than exhausting memory or hanging
+    "repeated str": ("{{ 'a' * 10**8 }}", "repeats a str to 100000000 items"),
+    "repeated list": ("{{ 600000 * [1, 2] }}", "repeats a list to 1200000 items"),
+    "power": ("{{ 2 ** 10000000 }}", "over 4300 digits with \\*\\*"),
+    "squaring": ("{% set ns = namespace(x=10) %}{% for i in range(14) %}{% set ns.x = ns.x * ns.x %}"
+                 "{% endfor %}{{ ns.x }}", "over 4300 digits with \\*"),
+}
+
+
+@pytest.mark.parametrize("name", list(HUGE_TEMPLATES))
+def test_chat_template_refuses_huge_values(ours, name):
+    template, message = HUGE_TEMPLATES[name]
+    with pytest.raises(ChatTemplateError, match=message):
+        ours.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template)
+    # small values still work
+    small = "{{ 'ab' * 2 }}{{ 3 * [0] }}{{ 2 ** 10 }}"
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}], chat_template=small) == "abab[0, 0, 0]1024"
+
+
+FAILING_TEMPLATES = {
+    "huge range": ("{{ range(10**9) }}", "OverflowError"),
+    "recursive macro": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    "wrong argument type": ("{{ strftime_now(5) }}", "TypeError"),
+    "memory": ("{{ strftime_now('%Y') }}", "MemoryError"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAILING_TEMPLATES))
+def test_chat_template_exceptions_become_chat_template_errors(tmp_path, monkeypatch, name):
+    template, error = FAILING_TEMPLATES[name]
+    if error == "MemoryError":
+        class OutOfMemory:
+            @staticmethod
+            def now():
+                raise MemoryError
+        monkeypatch.setattr("jaxllm.tokenizer.datetime", OutOfMemory)
+    # the model file's own template: the error names the file and the original error
+    write_sentencepiece_gguf(tmp_path / "sp.gguf", [("add_string", "tokenizer.chat_template", template)])
+    tok = load_tokenizer(tmp_path / "sp.gguf")
+    with pytest.raises(ChatTemplateError, match=f"sp.gguf: the chat template failed: {error}"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
 STREAM_TEXTS = [TEXTS["chinese"], TEXTS["emoji"], TEXTS["mixed"],
                 "<|im_start|>assistant\n日本語 🙂 and ascii<|im_end|>"]
 
@@ -163,6 +230,27 @@ def test_stream_skipping_special_tokens(ours):
     stream = ours.stream(skip_special_tokens=True)
     out = "".join(stream.push(i) for i in ids) + stream.flush()
     assert out == ours.decode(ids, skip_special_tokens=True) == "assistant\n你好 👋"
+
+
+def test_invalid_utf8_text_is_refused(ours):
+    # what `jaxllm generate "$(printf 'a\\xffb')"` hands over: the byte escaped as a lone surrogate
+    text = b"a\xffb".decode("utf-8", "surrogateescape")
+    with pytest.raises(ValueError, match="not valid UTF-8: byte 0xff at character 1"):
+        ours.encode(text)
+    with pytest.raises(ValueError, match="message 1's content is not valid UTF-8"):
+        ours.apply_chat_template([{"role": "system", "content": "hi"}, {"role": "user", "content": text}])
+
+
+def test_ids_must_be_integers_in_range(ours):
+    with pytest.raises(ValueError, match="token id -1 is out of range for a vocabulary of 49152"):
+        ours.id_to_token(-1)
+    with pytest.raises(ValueError, match="integers, got 1.7"):
+        ours.decode([1.7])
+    with pytest.raises(ValueError, match="integers, got 2.5"):
+        ours.stream().push(2.5)
+    # integer scalars of any kind still work
+    assert ours.decode(np.array([1, 2], np.int32)) == ours.decode([1, 2]) == "<|im_start|><|im_end|>"
+    assert ours.id_to_token(np.int64(2)) == "<|im_end|>"
 
 
 def test_stream_flushes_an_incomplete_tail(ours):
@@ -203,6 +291,31 @@ def test_hf_directory_generation_config_adds_stop_ids(hf_dir, tmp_path):
     assert load_tokenizer(tmp_path).eos_token_ids == (2, 0)
 
 
+BAD_CONFIG_ENTRIES = {
+    "extra_special_tokens": "abc",
+    "additional_special_tokens": "abc",
+    "eos_token": 5,
+}
+
+
+@pytest.mark.parametrize("key", list(BAD_CONFIG_ENTRIES))
+def test_hf_directory_mistyped_config(hf_dir, tmp_path, key):
+    (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config.pop("extra_special_tokens", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {key: BAD_CONFIG_ENTRIES[key]}))
+    with pytest.raises(ValueError, match=f"tokenizer_config.json: {key} is"):
+        load_tokenizer(tmp_path)
+
+
+def test_hf_directory_unreadable_chat_template_file(hf_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ messages }}\xff")
+    with pytest.raises(ValueError, match="chat_template.jinja: cannot read"):
+        load_tokenizer(tmp_path)
+
+
 def test_hf_directory_missing_files(hf_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
@@ -216,9 +329,10 @@ def test_hf_directory_missing_files(hf_dir, tmp_path):
 
 # --- a SentencePiece-style GGUF vocabulary (tokenizer.ggml.model == "llama") -------------------
 
-def write_sentencepiece_gguf(path):
+def write_sentencepiece_gguf(path, metadata=()):
     """A tiny llama-2 style vocabulary: byte fallback, merges implied by scores, a user-defined
-    token and a ChatML end-of-turn control token."""
+    token and a ChatML end-of-turn control token. `metadata`: (writer method, key, value) entries
+    written last, replacing a key written before."""
     pieces = ["▁", "e", "t", "h", "a", "o", "l", "r", "d", "w", "n", "i", "s", ",", ".", "!",
               "▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁h", "ll", "▁w", "or", "ld", "▁wor",
               "▁world", "▁he", "▁hell", "▁hello", "ell", "hell", "ello", "hello", "▁▁", "▁▁▁▁"]
@@ -239,6 +353,8 @@ def write_sentencepiece_gguf(path):
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_chat_template("{% for m in messages %}{{ bos_token }}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endfor %}")
+    for method, key, value in metadata:
+        getattr(w, method)(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -280,3 +396,21 @@ def test_gguf_without_tokenizer(tmp_path):
         load_tokenizer(path)
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "absent.gguf")
+
+
+MISTYPED_GGUF_KEYS = {
+    "bos id as a string": ("add_string", "tokenizer.ggml.bos_token_id", "1", "str"),
+    "eos id as a float": ("add_float32", "tokenizer.ggml.eos_token_id", 2.0, "float"),
+    "eot id as a string": ("add_string", "tokenizer.ggml.eot_token_id", "2", "str"),
+    "template as an int": ("add_uint32", "tokenizer.chat_template", 5, "int"),
+    "template as a list": ("add_array", "tokenizer.chat_template", ["{{ a }}", "{{ b }}"], "list"),
+    "add_bos as a string": ("add_string", "tokenizer.ggml.add_bos_token", "false", "str"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTYPED_GGUF_KEYS))
+def test_gguf_mistyped_tokenizer_metadata(tmp_path, name):
+    method, key, value, found = MISTYPED_GGUF_KEYS[name]
+    write_sentencepiece_gguf(tmp_path / "sp.gguf", [(method, key, value)])
+    with pytest.raises(ValueError, match=f"sp.gguf: {key} is a {found} "):
+        load_tokenizer(tmp_path / "sp.gguf")
