@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import threading
 
 import jax.numpy as jnp
 import pytest
@@ -18,6 +17,7 @@ from jaxllm import checkpoint, hf
 from jaxllm.config import ModelConfig
 from jaxllm.gguf import gguf_to_hf_config
 from jaxllm.presets import PRESETS, random_params
+from hangs import error_within
 
 NAN = float("nan")
 
@@ -153,18 +153,9 @@ def test_weights_that_are_not_a_regular_file_are_refused_unopened(hf_dir, kind):
     weights = path / "model.safetensors"
     weights.unlink()
     weights.mkdir() if kind == "directory" else os.mkfifo(weights)
-    outcome = []
-
-    def read():  # a FIFO opened for reading blocks until a writer comes: run it aside, with a limit
-        try:
-            hf.read_checkpoint(path)
-        except ValueError as e:
-            outcome.append(e)
-    worker = threading.Thread(target=read, daemon=True)
-    worker.start()
-    worker.join(timeout=30)
-    assert not worker.is_alive(), "reading the checkpoint hung"
-    assert outcome and f"{weights} is not a regular file" in str(outcome[0])
+    # a FIFO opened for reading blocks until a writer comes
+    error = error_within(30, lambda: hf.read_checkpoint(path))
+    assert f"{weights} is not a regular file" in str(error)
 
 
 # --- GGUF metadata ------------------------------------------------------------------------------
