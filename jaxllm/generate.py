@@ -257,7 +257,8 @@ def _request(params: Params, max_new_tokens, sampling: SamplingConfig, eos_token
     if eos_token_ids is None:
         stops = params.config.eos_token_ids
     elif isinstance(eos_token_ids, (list, tuple, set, np.ndarray, jax.Array)):
-        stops = tuple(_whole("a stop id (eos_token_ids)", t, 0) for t in eos_token_ids)
+        # int32 like the ids; a negative one never matches (configs write -1 for "none")
+        stops = tuple(_whole("a stop id (eos_token_ids)", t, -INT32_MAX - 1) for t in eos_token_ids)
     else:
         raise ValueError(f"eos_token_ids must be a list of token ids or None, got {eos_token_ids!r}")
     return max_new_tokens, stops, _whole("seed", seed, -2 ** 63, 2 ** 63 - 1)
