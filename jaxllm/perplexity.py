@@ -68,13 +68,9 @@ def perplexity(params, ids, context: int = 512, batch: int = 4) -> dict:
     import jax
 
     import jaxllm
-
     from jaxllm.model import check_tokens
 
-    ids = np.asarray(ids)
-    if ids.ndim != 1:
-        raise ValueError(f"ids must be one text's token ids, a list, got shape {ids.shape}")
-    tokens, mask = windows(check_tokens(params.config, ids), context)
+    tokens, mask = windows(check_tokens(params.config, ids), context)  # windows checks the shape
     rows = len(tokens)
     batch = max(1, min(batch, rows))
     pad = -rows % batch  # whole batches: one compiled shape
