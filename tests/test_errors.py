@@ -266,3 +266,40 @@ def test_config_without_a_required_key(checkpoint):
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"lacks required key 'num_hidden_layers'"):
         jaxllm.load(checkpoint, dtype="float32")
+
+
+@pytest.mark.parametrize("value, dtype", [(np.nan, np.float32), (-np.inf, np.float32),
+                                          (np.inf, "bfloat16"), (np.nan, np.float16)])
+def test_a_weight_that_is_not_a_number_is_named(checkpoint, value, dtype):
+    """A damaged checkpoint is refused where it is read, naming the tensor and the index, rather than
+    giving NaN logits (here in a fused qkv part, so the index is the source tensor's own)."""
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    path = checkpoint / "model.safetensors"
+    tensors = load_torch(path)
+    for name, t in tensors.items():
+        tensors[name] = t.to(getattr(torch, str(np.dtype(jnp.dtype(dtype)))))
+    tensors["model.layers.1.self_attn.k_proj.weight"][5, 7] = value
+    save_torch(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor model\.layers\.1\.self_attn\.k_proj\.weight holds "
+                                         rf"-?(nan|inf) at index \(5, 7\): the checkpoint is damaged"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
+def test_first_nonfinite_finds_every_nan_and_infinity():
+    from jaxllm.params import first_nonfinite
+
+    for dtype in (np.float16, jnp.bfloat16, np.float32, np.float64, jnp.float8_e4m3fn):
+        x = np.linspace(-2, 2, 3 << 20).astype(dtype).reshape(3, -1)
+        assert first_nonfinite(x) is None
+        for value in (np.nan, np.inf, -np.inf):  # (float8_e4m3fn has no infinity: it stores NaN)
+            y = x.copy()
+            y[2, 12345] = value
+            assert first_nonfinite(y) == (2, 12345), (dtype, value)
+        # the largest finite value and the smallest subnormal are numbers
+        y = x.copy()
+        y[1, 3] = jnp.finfo(dtype).max
+        y[1, 4] = jnp.finfo(dtype).smallest_subnormal
+        assert first_nonfinite(y) is None
+    assert first_nonfinite(np.arange(10)) is None
