@@ -9,7 +9,7 @@ Inside `shard_map`, N, K, F are per-device counts.
 
 Modules import only from those above them:
   config -> quant -> layers -> kernels -> params -> cache -> memory -> model -> sampling ->
-  generate -> hf, gguf, loader, tokenizer -> cli
+  generate -> hf, gguf, loader, chat_template, tokenizer -> cli
 """
 
 from jaxllm import compile_cache

@@ -6,8 +6,8 @@ What this module owns:
   does) or from a Hugging Face directory (`tokenizer.json` + `tokenizer_config.json`, plus
   `chat_template.jinja` and `generation_config.json` when present).
 - `Tokenizer.apply_chat_template`: the model's own Jinja template, rendered the way transformers
-  renders it but always in jinja2's `ImmutableSandboxedEnvironment`: a template that comes with a
-  downloaded checkpoint is untrusted code.
+  renders it, but sandboxed and bounded in time and memory (`jaxllm.chat_template`): a template
+  that comes with a downloaded checkpoint is untrusted code.
 - `Tokenizer.eos_token_ids`: every id that ends a turn (eos, the generation config's ids, and the
   chat template's end-of-turn token), so generation stops where the model's authors meant.
 - `Tokenizer.stream()`: incremental detokenization that never emits half a UTF-8 character.
@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import operator
 import os
 from collections.abc import Iterable, Mapping
-from contextvars import ContextVar
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
+
+from jaxllm.chat_template import ChatTemplateError, render_chat_template
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -212,181 +211,6 @@ class TextStream:
         piece = self._new_text()
         self._prefix = self._read = len(self._ids)
         return piece
-
-
-# --- chat templates ----------------------------------------------------------------------------
-
-class ChatTemplateError(ValueError):
-    """The chat template failed, refused the conversation, or tried something the sandbox forbids."""
-
-
-# The sandbox stops code execution, not runaway work: it caps one range() at 100,000 items, but not
-# loops nested over several, nor `'a' * 10**10` or `2 ** 10**7`. A real template needs a few hundred
-# range items and small numbers; these limits leave ample room and fail in well under a second.
-_TEMPLATE_MAX_ITEMS = 1_000_000  # range() items over one render, and items of one repeated str/list
-_TEMPLATE_MAX_DIGITS = 4300  # digits of an int from * or ** (Python's own limit for printing one)
-_range_budget: ContextVar[list[int]] = ContextVar("_range_budget")  # [items left], set per render
-
-
-def _alias_reasoning(message: dict) -> dict:
-    """transformers fills `reasoning_content` and `thinking` from any of the names a message's
-    reasoning comes under, since templates read one or the other."""
-    for key in ("reasoning_content", "thinking", "reasoning"):
-        if message.get(key) is not None:
-            return {"thinking": message[key], **message, "reasoning_content": message[key]}
-    return message
-
-
-def _plain(value):
-    """Template inputs rebuilt from plain JSON types: rich objects carry methods the sandbox does not
-    know to be dangerous (as transformers' `_plain_template_data`)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        return _plain(value.item())
-    return f"<{type(value).__name__}>"
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
-
-    class GenerationTag(Extension):
-        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it
-        renders its body unchanged (templates that use it must still parse)."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which chat formats do not want
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    def budget_range(*args):
-        items = safe_range(*args)  # jinja's cap on one range() still holds
-        left = _range_budget.get()
-        left[0] -= len(items)
-        if left[0] < 0:
-            raise ChatTemplateError(f"the chat template loops over more than {_TEMPLATE_MAX_ITEMS} "
-                                    "range() items in total")
-        return items
-
-    class TemplateEnvironment(ImmutableSandboxedEnvironment):
-        """The immutable sandbox, refusing `*` and `**` results too large to build."""
-
-        intercepted_binops = frozenset({"*", "**"})
-
-        def call_binop(self, context, op, left, right):
-            ints = isinstance(left, int) and isinstance(right, int)
-            if op == "*":
-                seq, times = (left, right) if isinstance(right, int) else (right, left)
-                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
-                        and len(seq) * times > _TEMPLATE_MAX_ITEMS:
-                    raise ChatTemplateError(f"the chat template repeats a {type(seq).__name__} to "
-                                            f"{len(seq) * times} items (the limit is {_TEMPLATE_MAX_ITEMS})")
-                huge = ints and (abs(left).bit_length() + abs(right).bit_length()) * math.log10(2) \
-                    > _TEMPLATE_MAX_DIGITS
-            else:  # ** (right compared, not multiplied: it can be too big for a float)
-                huge = ints and abs(left) > 1 and right > _TEMPLATE_MAX_DIGITS / math.log10(abs(left))
-            if huge:
-                raise ChatTemplateError(f"the chat template computes an integer of over "
-                                        f"{_TEMPLATE_MAX_DIGITS} digits with {op}")
-            return super().call_binop(context, op, left, right)
-
-    class TemplateDict:
-        """`dict(...)` for templates without exposing the `dict` type itself."""
-
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        """`namespace()` that refuses underscore attributes, the road to CPython internals."""
-
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot set underscore attributes on a namespace ({name!r})")
-
-    env = TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.globals["range"] = budget_range
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(template)
-
-
-def render_chat_template(template: str, messages: list[Mapping], *, add_generation_prompt: bool = True,
-                         tools: list[dict] | None = None, documents: list[dict] | None = None,
-                         **context) -> str:
-    """Render a chat template in jinja2's immutable sandbox, with transformers' globals and inputs."""
-    import jinja2
-
-    chat = []
-    for message in _plain(list(messages)):
-        if not isinstance(message, dict):
-            raise TypeError(f"chat messages must be dicts, got {message!r}")
-        # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not None
-        chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
-    budget = _range_budget.set([_TEMPLATE_MAX_ITEMS])
-    try:
-        return _compile(template).render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                         add_generation_prompt=add_generation_prompt, **_plain(context))
-    except ChatTemplateError:
-        raise
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the chat template does not parse: {e} (line {e.lineno})") from None
-    except jinja2.exceptions.SecurityError as e:
-        raise ChatTemplateError(f"the chat template tried an operation the sandbox forbids: {e}") from None
-    except jinja2.exceptions.TemplateError as e:
-        raise ChatTemplateError(f"the chat template failed: {e}") from None
-    except Exception as e:  # untrusted code: RecursionError, MemoryError, TypeError, OverflowError...
-        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
-    finally:
-        _range_budget.reset(budget)
 
 
 # --- building from a GGUF file -----------------------------------------------------------------

@@ -2,6 +2,7 @@
 sandbox, stop ids, and the streaming detokenizer."""
 
 import json
+import re
 
 import gguf
 import numpy as np
@@ -176,24 +177,55 @@ FAILING_TEMPLATES = {
     "huge range": ("{{ range(10**9) }}", "OverflowError"),
     "recursive macro": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
     "wrong argument type": ("{{ strftime_now(5) }}", "TypeError"),
-    "memory": ("{{ strftime_now('%Y') }}", "MemoryError"),
+    "memory": ("{{ 'a'.ljust(10**10) }}", "MemoryError: it needed more than the 2048 MB"),
 }
 
 
 @pytest.mark.parametrize("name", list(FAILING_TEMPLATES))
-def test_chat_template_exceptions_become_chat_template_errors(tmp_path, monkeypatch, name):
+def test_chat_template_exceptions_become_chat_template_errors(tmp_path, name):
     template, error = FAILING_TEMPLATES[name]
-    if error == "MemoryError":
-        class OutOfMemory:
-            @staticmethod
-            def now():
-                raise MemoryError
-        monkeypatch.setattr("jaxllm.tokenizer.datetime", OutOfMemory)
     # the model file's own template: the error names the file and the original error
     write_sentencepiece_gguf(tmp_path / "sp.gguf", [("add_string", "tokenizer.chat_template", template)])
     tok = load_tokenizer(tmp_path / "sp.gguf")
     with pytest.raises(ChatTemplateError, match=f"sp.gguf: the chat template failed: {error}"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+RUNAWAY_TEMPLATES = {
+    # no budget names these: the render process's limits stop them
+    "a reused range": ("{% set r = range(1000) %}{% for a in r %}{% for b in r %}{% for c in r %}"
+                       "{% endfor %}{% endfor %}{% endfor %}", "ran for more than 2 s"),
+    "a long string": ("{% set s = 'ab' * 400000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+                      "ran for more than 2 s"),
+    "doubling with ~": ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                        "{% endfor %}{{ ns.s | length }}", "(ran for more than 2 s|MemoryError)"),
+    "lipsum": ("{{ lipsum(10**7) }}", "ran for more than 2 s"),
+    "ljust": ("{{ 'a'.ljust(10**10) }}", "MemoryError"),
+    "a format width": ("{{ '{:>10000000000}'.format(1) }}", "MemoryError"),
+    "center": ("{{ 'x' | center(10**10) }}", "MemoryError"),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNAWAY_TEMPLATES))
+def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, name):
+    """A template that would hang or exhaust memory fails within the time limit, naming the limit,
+    and the next render works (in a fresh render process where the last was stopped)."""
+    monkeypatch.setattr("jaxllm.chat_template.RENDER_SECONDS", 2.0)
+    template, message = RUNAWAY_TEMPLATES[name]
+    chat = [{"role": "user", "content": "x"}]
+    error = error_within(20, lambda: ours.apply_chat_template(chat, chat_template=template), ChatTemplateError)
+    assert re.search(message, str(error)), error
+    assert ours.apply_chat_template(chat, chat_template="{{ messages[0].content }}!") == "x!"
+
+
+def test_a_render_process_that_died_is_replaced(ours):
+    from jaxllm.chat_template import _Worker
+
+    chat = [{"role": "user", "content": "x"}]
+    assert ours.apply_chat_template(chat, chat_template="{{ 1 + 1 }}") == "2"
+    _Worker._current.process.kill()
+    _Worker._current.process.wait()
+    assert ours.apply_chat_template(chat, chat_template="{{ 2 + 2 }}") == "4"
 
 
 STREAM_TEXTS = [TEXTS["chinese"], TEXTS["emoji"], TEXTS["mixed"],
