@@ -19,6 +19,7 @@ This file imports only the standard library and jinja2, since the child loads it
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -236,14 +237,21 @@ class _Worker:
 
     _lock = threading.Lock()
     _current: _Worker | None = None
+    _exit_registered = False
 
     def __init__(self):
         load = ("import importlib.util as u; s = u.spec_from_file_location('jaxllm_chat_template', "
                 f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); m._serve()")
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # no working directory on sys.path
-        self.process = subprocess.Popen([sys.executable, *safe_path, "-c", load],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            self.process = subprocess.Popen([sys.executable, *safe_path, "-c", load],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as e:
+            raise ChatTemplateError(f"the chat template's render process could not be started: {e}") from None
         self.owner = os.getpid()
+        if not _Worker._exit_registered:
+            atexit.register(_Worker._stop)
+            _Worker._exit_registered = True
 
     @classmethod
     def render(cls, request: dict) -> dict:
@@ -259,8 +267,8 @@ class _Worker:
                 except (BrokenPipeError, OSError):
                     cls._stop()
                     if attempt == 2:
-                        raise ChatTemplateError("the chat template's render process could not be "
-                                                "started") from None
+                        raise ChatTemplateError("the chat template's render process ended before "
+                                                f"it took the request ({len(payload)} bytes)") from None
                     continue
                 try:
                     deadline = time.monotonic() + RENDER_SECONDS
