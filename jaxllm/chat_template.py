@@ -75,8 +75,8 @@ def _plain(value):
         return [_plain(v) for v in value]
     if isinstance(value, tuple):
         return tuple(_plain(v) for v in value)
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        return _plain(value.item())
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy and jax arrays and scalars
+        return _plain(value.tolist())
     return f"<{type(value).__name__}>"
 
 
@@ -187,14 +187,18 @@ def render_chat_template(template: str, messages: list[Mapping], *, add_generati
                          **context) -> str:
     """Render a chat template in jinja2's immutable sandbox, with transformers' globals and inputs,
     in the render process, within `RENDER_SECONDS` and `RENDER_MEMORY`."""
+    try:
+        messages, tools, documents, context = _plain((list(messages), tools, documents, context))
+    except RecursionError:
+        raise ChatTemplateError("the conversation is nested too deeply to render") from None
     chat = []
-    for message in _plain(list(messages)):
+    for message in messages:
         if not isinstance(message, dict):
             raise TypeError(f"chat messages must be dicts, got {message!r}")
         # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not None
         chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
-    request = dict(template=template, messages=chat, tools=_plain(tools), documents=_plain(documents),
-                   add_generation_prompt=add_generation_prompt, context=_plain(context))
+    request = dict(template=template, messages=chat, tools=tools, documents=documents,
+                   add_generation_prompt=add_generation_prompt, context=context)
     reply = _Worker.render(request)
     if "error" in reply:
         raise ChatTemplateError(reply["error"])

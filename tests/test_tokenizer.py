@@ -218,6 +218,19 @@ def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, nam
     assert ours.apply_chat_template(chat, chat_template="{{ messages[0].content }}!") == "x!"
 
 
+def test_conversations_of_arrays_and_deep_nesting(ours):
+    """Arrays reach the template as lists; a conversation nested past Python's recursion limit is
+    a ChatTemplateError naming it (both were raw ValueError and RecursionError)."""
+    template = "{{ messages[0].content }} {{ messages[0].content | sum }} {{ scale }}"
+    chat = [{"role": "user", "content": np.array([1, 2, 3])}]
+    assert ours.apply_chat_template(chat, chat_template=template, scale=np.float32(0.5)) == "[1, 2, 3] 6 0.5"
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ChatTemplateError, match="nested too deeply"):
+        ours.apply_chat_template([{"role": "user", "content": deep}], chat_template=template)
+
+
 def test_a_render_process_that_died_is_replaced(ours):
     from jaxllm.chat_template import _Worker
 
