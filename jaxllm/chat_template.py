@@ -20,11 +20,12 @@ This file imports only the standard library and jinja2, since the child loads it
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import math
 import os
 import pickle
-import select
+import selectors
 import struct
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
+
 
 class ChatTemplateError(ValueError):
     """The chat template failed, refused the conversation, or tried something the sandbox forbids."""
@@ -178,28 +180,36 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-RENDER_SECONDS = 10.0  # one render's time limit; real templates render in milliseconds
+RENDER_SECONDS = 10.0  # one render's time limit, its transfers included; real ones take milliseconds
 RENDER_MEMORY = 2 << 30  # the child's address space: ample for any real conversation
+_CACHED_TEMPLATE_CHARS = 1 << 20  # longer templates are compiled afresh: the cache would fill the child
 
 
 def render_chat_template(template: str, messages: list[Mapping], *, add_generation_prompt: bool = True,
                          tools: list[dict] | None = None, documents: list[dict] | None = None,
                          **context) -> str:
     """Render a chat template in jinja2's immutable sandbox, with transformers' globals and inputs,
-    in the render process, within `RENDER_SECONDS` and `RENDER_MEMORY`."""
+    in the render process, within `RENDER_SECONDS` and `RENDER_MEMORY`. Renders from several
+    threads take turns in the one process."""
+    if not isinstance(template, str):
+        raise TypeError(f"a chat template is a string, not {type(template).__name__}")
     try:
-        messages, tools, documents, context = _plain((list(messages), tools, documents, context))
+        inputs = _plain((list(messages), tools, documents, add_generation_prompt, context))
     except RecursionError:
         raise ChatTemplateError("the conversation is nested too deeply to render") from None
+    except Exception as e:  # noqa: BLE001 - the caller's objects: their methods may raise anything
+        raise ChatTemplateError(f"the conversation holds a value that cannot be read: "
+                                f"{type(e).__name__}: {e}") from None
+    messages, tools, documents, add_generation_prompt, context = inputs
     chat = []
     for message in messages:
         if not isinstance(message, dict):
             raise TypeError(f"chat messages must be dicts, got {message!r}")
         # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not None
         chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
-    request = dict(template=template, messages=chat, tools=tools, documents=documents,
+    request = dict(template=str.__str__(template), messages=chat, tools=tools, documents=documents,
                    add_generation_prompt=add_generation_prompt, context=context)
-    reply = _Worker.render(request)
+    reply = _Worker.render(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
     if "error" in reply:
         raise ChatTemplateError(reply["error"])
     return reply["text"]
@@ -212,8 +222,15 @@ def _render(template: str, messages: list[dict], tools, documents, add_generatio
 
     budget = _range_budget.set([_TEMPLATE_MAX_ITEMS])
     try:
-        return _compile(template).render(messages=messages, tools=tools, documents=documents,
-                                         add_generation_prompt=add_generation_prompt, **context)
+        if len(template) <= _CACHED_TEMPLATE_CHARS:
+            return _compile(template).render(messages=messages, tools=tools, documents=documents,
+                                             add_generation_prompt=add_generation_prompt, **context)
+        try:  # compiled afresh, and its environment's reference cycles freed at once
+            return _compile.__wrapped__(template).render(
+                messages=messages, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **context)
+        finally:
+            gc.collect()
     except ChatTemplateError:
         raise
     except jinja2.exceptions.TemplateSyntaxError as e:
@@ -223,102 +240,155 @@ def _render(template: str, messages: list[dict], tools, documents, add_generatio
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed: {e}") from None
     except MemoryError:
-        raise ChatTemplateError(f"the chat template failed: MemoryError: it needed more than the "
-                                f"{RENDER_MEMORY >> 20} MB a render may use") from None
+        raise ChatTemplateError(_OUT_OF_MEMORY) from None
     except Exception as e:  # untrusted code: RecursionError, TypeError, OverflowError...
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
     finally:
         _range_budget.reset(budget)
 
 
+_OUT_OF_MEMORY = f"the chat template failed: MemoryError: it needed more than the {RENDER_MEMORY >> 20} MB a render may use"
+
+
 # --- the render process ------------------------------------------------------------------------
-# One frame each way: 8 bytes of length, then the request pickled (the child unpickles only what
-# its parent sent) or the reply as JSON (the parent never unpickles what a template produced).
+# Requests go to the child's stdin, pickled (the child unpickles only what its parent sent);
+# replies come back on a pipe of their own, as JSON (the parent never unpickles what a template
+# made, and whatever else writes to the child's stdout cannot get in their way). One frame each
+# way: 8 bytes of length, then the bytes. Every transfer is bounded by the render's deadline.
+
+class _ProcessEnded(Exception):
+    """The render process closed its end, or sent what is not a reply."""
+
 
 class _Worker:
-    """The child process that renders, started at the first render and kept; a fresh one after a
-    render that ran out of time or memory, or after a fork."""
+    """The child process that renders, started at the first render and kept. A fresh one after a
+    render that ran out of time or memory, or was interrupted, and in a forked process."""
 
     _lock = threading.Lock()
     _current: _Worker | None = None
     _exit_registered = False
 
     def __init__(self):
+        if not sys.executable:
+            raise ChatTemplateError("the chat template's render process could not be started: this "
+                                    "Python does not know its own executable (sys.executable)")
+        replies, reply_end = os.pipe()
         load = ("import importlib.util as u; s = u.spec_from_file_location('jaxllm_chat_template', "
-                f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); m._serve()")
+                f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); m._serve({reply_end})")
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # no working directory on sys.path
         try:
             self.process = subprocess.Popen([sys.executable, *safe_path, "-c", load],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        except OSError as e:
+                                            stdin=subprocess.PIPE, pass_fds=(reply_end,))
+        except (OSError, ValueError) as e:
+            os.close(replies)
             raise ChatTemplateError(f"the chat template's render process could not be started: {e}") from None
+        finally:
+            os.close(reply_end)
+        self.replies, self.requests = replies, self.process.stdin.fileno()
+        os.set_blocking(self.requests, False)
+        for fd in (self.replies, self.requests):
+            _widen_pipe(fd)
         self.owner = os.getpid()
         if not _Worker._exit_registered:
             atexit.register(_Worker._stop)
             _Worker._exit_registered = True
 
     @classmethod
-    def render(cls, request: dict) -> dict:
-        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+    def render(cls, payload: bytes) -> dict:
         with cls._lock:
-            for attempt in (1, 2):  # a second time only if an idle child had gone
-                worker = cls._current
-                if worker is None or worker.owner != os.getpid() or worker.process.poll() is not None:
-                    worker = cls._current = _Worker()
-                try:
-                    worker.process.stdin.write(struct.pack("<Q", len(payload)) + payload)
-                    worker.process.stdin.flush()
-                except (BrokenPipeError, OSError):
+            worker = cls._current
+            if worker is None or worker.process.poll() is not None:
+                cls._stop()
+                worker = cls._current = _Worker()
+            try:
+                deadline = time.monotonic() + RENDER_SECONDS
+                worker.send(payload, deadline)
+                (size,) = struct.unpack("<Q", worker.receive(8, deadline))
+                reply = json.loads(worker.receive(size, deadline))
+                if not (isinstance(reply, dict) and isinstance(reply.get("text", reply.get("error")), str)):
+                    raise _ProcessEnded
+                if reply.get("ended"):  # it ran out of memory and ends: not to be sent the next one
                     cls._stop()
-                    if attempt == 2:
-                        raise ChatTemplateError("the chat template's render process ended before "
-                                                f"it took the request ({len(payload)} bytes)") from None
-                    continue
-                try:
-                    deadline = time.monotonic() + RENDER_SECONDS
-                    (size,) = struct.unpack("<Q", worker.read(8, deadline))
-                    return json.loads(worker.read(size, deadline))
-                except TimeoutError:
-                    cls._stop()
-                    raise ChatTemplateError(f"the chat template ran for more than {RENDER_SECONDS:g} s, "
-                                            "the limit of one render") from None
-                except EOFError:
-                    code = cls._stop()
-                    raise ChatTemplateError(f"the chat template's render process ended (exit code "
-                                            f"{code}) before it replied: it may have exceeded "
-                                            f"{RENDER_MEMORY >> 20} MB") from None
-                except BaseException:  # Ctrl-C or anything else mid-reply: the stream is out of step
-                    cls._stop()
-                    raise
+                return reply
+            except TimeoutError:
+                cls._stop()
+                raise ChatTemplateError(f"the chat template ran for more than {RENDER_SECONDS:g} s, "
+                                        "the limit of one render") from None
+            except (_ProcessEnded, ValueError, struct.error, OSError):  # EOF, a broken pipe, not JSON
+                code = cls._stop()
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                raise ChatTemplateError(f"the chat template's render process ended ({how}) without a "
+                                        "reply") from None
+            except BaseException:  # Ctrl-C or anything else mid-exchange: the stream is out of step
+                cls._stop()
+                raise
 
-    def read(self, size: int, deadline: float) -> bytes:
-        fd, got = self.process.stdout.fileno(), bytearray()
-        while len(got) < size:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, min(size - len(got), 1 << 24))
-            if not chunk:
-                raise EOFError
-            got += chunk
+    def send(self, payload: bytes, deadline: float) -> None:
+        data = memoryview(struct.pack("<Q", len(payload)) + payload)
+        with selectors.DefaultSelector() as ready:
+            ready.register(self.requests, selectors.EVENT_WRITE)
+            while data:
+                _wait(ready, deadline)
+                try:
+                    data = data[os.write(self.requests, data[:1 << 20]):]
+                except BlockingIOError:
+                    continue
+
+    def receive(self, size: int, deadline: float) -> bytes:
+        got = bytearray()
+        with selectors.DefaultSelector() as ready:
+            ready.register(self.replies, selectors.EVENT_READ)
+            while len(got) < size:
+                _wait(ready, deadline)
+                chunk = os.read(self.replies, min(size - len(got), 1 << 24))
+                if not chunk:
+                    raise _ProcessEnded
+                got += chunk
         return bytes(got)
 
     @classmethod
     def _stop(cls) -> int | None:
+        """Stop the current child, if any, and give its exit code."""
         worker, cls._current = cls._current, None
         if worker is None:
             return None
         worker.process.kill()
-        for pipe in (worker.process.stdin, worker.process.stdout):
+        for close in (worker.process.stdin.close, lambda: os.close(worker.replies)):
             try:
-                pipe.close()
+                close()
             except OSError:
                 pass
         return worker.process.wait()
 
 
-def _serve() -> None:
-    """The child's loop: a request in, a reply out, until the parent closes the pipe."""
+def _after_fork_in_child() -> None:
+    """The parent's child and lock (perhaps held by a thread that did not come along) stay its own."""
+    _Worker._lock = threading.Lock()
+    _Worker._current = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _wait(ready: selectors.BaseSelector, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0 or not ready.select(None if math.isinf(left) else left):
+        raise TimeoutError
+
+
+def _widen_pipe(fd: int) -> None:
+    """A 1 MiB pipe where Linux allows it (64 KiB by default): a long prompt crosses in fewer trips."""
+    try:
+        import fcntl
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
+def _serve(reply_fd: int) -> None:
+    """The child's loop: a request in, a reply out, until the parent closes the pipe. After a
+    render that ran out of memory it ends, so that the next render has a fresh process."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops this process
@@ -329,16 +399,33 @@ def _serve() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     except (ImportError, ValueError, OSError):  # not on this platform: the time limit still holds
         pass
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), daemon=True).start()
+    inp, out = sys.stdin.buffer, os.fdopen(reply_fd, "wb")
     while len(header := inp.read(8)) == 8:
-        request = pickle.loads(inp.read(struct.unpack("<Q", header)[0]))
         try:
-            reply = {"text": _render(**request)}
+            reply = {"text": _render(**pickle.loads(inp.read(struct.unpack("<Q", header)[0])))}
         except ChatTemplateError as e:
             reply = {"error": str(e)}
-        except BaseException as e:  # noqa: BLE001 - even a MemoryError outside the render is reported
+        except MemoryError:  # reading the request
+            reply = {"error": _OUT_OF_MEMORY}
+        except BaseException as e:  # noqa: BLE001 - reported, never a traceback on the caller's stderr
             reply = {"error": f"the chat template failed: {type(e).__name__}: {e}"}
-        del request
-        data = json.dumps(reply).encode()  # ASCII: lone surrogates survive the trip
+        try:
+            data = json.dumps(reply).encode()  # ASCII: lone surrogates survive the trip
+        except MemoryError:
+            reply = {"error": f"the chat template's text is too large to send back ({_OUT_OF_MEMORY})"}
+            data = json.dumps(reply).encode()
+        ending = _OUT_OF_MEMORY in reply.get("error", "")
+        if ending:
+            data = data[:-1] + b', "ended": true}'
         out.write(struct.pack("<Q", len(data)) + data)
         out.flush()
+        if ending:
+            return
+
+
+def _end_with_parent(parent: int) -> None:
+    """A child whose parent died (killed mid-render, say) must not render on for ever."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
