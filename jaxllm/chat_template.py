@@ -183,6 +183,8 @@ def _compile(template: str):
 RENDER_SECONDS = 10.0  # one render's time limit, its transfers included; real ones take milliseconds
 RENDER_MEMORY = 2 << 30  # the child's address space: ample for any real conversation
 _CACHED_TEMPLATE_CHARS = 1 << 20  # longer templates are compiled afresh: the cache would fill the child
+_OUT_OF_MEMORY = (f"the chat template failed: MemoryError: it needed more than the {RENDER_MEMORY >> 20} "
+                  "MB a render may use")
 
 
 def render_chat_template(template: str, messages: list[Mapping], *, add_generation_prompt: bool = True,
@@ -247,9 +249,6 @@ def _render(template: str, messages: list[dict], tools, documents, add_generatio
         _range_budget.reset(budget)
 
 
-_OUT_OF_MEMORY = f"the chat template failed: MemoryError: it needed more than the {RENDER_MEMORY >> 20} MB a render may use"
-
-
 # --- the render process ------------------------------------------------------------------------
 # Requests go to the child's stdin, pickled (the child unpickles only what its parent sent);
 # replies come back on a pipe of their own, as JSON (the parent never unpickles what a template
@@ -288,7 +287,6 @@ class _Worker:
         os.set_blocking(self.requests, False)
         for fd in (self.replies, self.requests):
             _widen_pipe(fd)
-        self.owner = os.getpid()
         if not _Worker._exit_registered:
             atexit.register(_Worker._stop)
             _Worker._exit_registered = True
