@@ -282,8 +282,8 @@ def test_a_weight_that_is_not_a_number_is_named(checkpoint, value, dtype):
         tensors[name] = t.to(getattr(torch, str(np.dtype(jnp.dtype(dtype)))))
     tensors["model.layers.1.self_attn.k_proj.weight"][5, 7] = value
     save_torch(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"tensor model\.layers\.1\.self_attn\.k_proj\.weight holds "
-                                         rf"-?(nan|inf) at index \(5, 7\): the checkpoint is damaged"):
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.self_attn\.k_proj\.weight holds "
+                                         r"-?(nan|inf) at index \(5, 7\): the checkpoint is damaged"):
         jaxllm.load(checkpoint, dtype="float32")
 
 
