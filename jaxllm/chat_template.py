@@ -12,7 +12,8 @@ What this module owns:
   it starts in a tenth of a second, once, and then serves every render) under a time limit and a
   memory limit (`RENDER_SECONDS`, `RENDER_MEMORY`); whatever the template does, the caller gets a
   `ChatTemplateError` that says which limit it hit, and the next render a fresh process. Inside
-  it, budgets on `range()` items and on `*` and `**` name the common runaways at once.
+  it, budgets on `range()` items and on `*` and `**` name the common runaways at once. Threads
+  take turns in the one child; a forked process starts its own; a child ends with its parent.
 
 This file imports only the standard library and jinja2, since the child loads it alone.
 """
