@@ -402,9 +402,7 @@ def _rope_from_hf(c: dict) -> RopeConfig:
     params = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"rope_parameters/rope_scaling must be an object, not {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
+    rope_type = params.get("rope_type", params.get("type", "default"))  # RopeConfig checks it
     # a key inside rope_parameters wins over the same key at the top level
     merged = {**c, **params}
     original = _int(merged, "original_max_position_embeddings", None)

@@ -54,6 +54,7 @@ BAD_CONFIGS = [
     ("theta_nan", lambda c: _rope(c, rope_theta=NAN), r"rope_theta .*nan"),
     ("old_theta_nan", lambda c: {k: v for k, v in c.items() if k != "rope_parameters"} | dict(rope_theta=NAN),
      r"rope_theta .*nan"),
+    ("rope_type_unknown", lambda c: _rope(c, rope_type="ntk"), r"unsupported rope type 'ntk'"),
     ("factor_nan", lambda c: _rope(c, rope_type="linear", factor=NAN), r"factor .*nan"),
     ("factor_zero", lambda c: _rope(c, rope_type="linear", factor=0), r"factor must be a finite number > 0"),
     ("factor_negative", lambda c: _rope(c, rope_type="linear", factor=-2.0), r"factor .*-2"),
