@@ -266,7 +266,6 @@ class _Worker:
 
     _lock = threading.Lock()
     _current: _Worker | None = None
-    _exit_registered = False
 
     def __init__(self):
         if not sys.executable:
@@ -288,9 +287,6 @@ class _Worker:
         os.set_blocking(self.requests, False)
         for fd in (self.replies, self.requests):
             _widen_pipe(fd)
-        if not _Worker._exit_registered:
-            atexit.register(_Worker._stop)
-            _Worker._exit_registered = True
 
     @classmethod
     def render(cls, payload: bytes) -> dict:
@@ -366,6 +362,7 @@ def _after_fork_in_child() -> None:
     _Worker._current = None
 
 
+atexit.register(_Worker._stop)  # a child still running at exit is killed, not left to see EOF
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
