@@ -8,6 +8,11 @@ tensor. Repeating KV heads is the exception: with one copy per device (tp = K * 
 reads its whole KV group of wqkv/bqkv and keeps its part; otherwise (e.g. K 6 on 4 devices)
 each device reads every layer's wqkv, bqkv and wo whole, then keeps its slice.
 `jaxllm.load(directory, mesh=...)` calls `restore`.
+
+Beside the config, jaxllm_config.json holds a digest of each array's bits (`digest`), made on the
+devices as it is saved and checked on them as it is restored: orbax finds a truncated file, but
+bytes changed inside a data file (only some of which zstd notices) would otherwise load as
+different weights. Each array is read in the dtype it was saved in, checked, then cast.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm import sharding
@@ -29,7 +36,7 @@ from jaxllm.params import Params, abstract_params, layer_specs, leaf_paths, top_
 from jaxllm.quant import QuantizedWeight, is_quantized, quantize_params
 
 CONFIG_FILE = "jaxllm_config.json"
-FORMAT = 1
+FORMAT = 2  # 2: with the arrays' digests
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -87,6 +94,34 @@ def _from_tree(tree: dict, template: Params) -> Params:
     return fill(template.replace(layers=layers), {k: v for k, v in tree.items() if k != "layers"})
 
 
+@jax.jit
+def digest(x: jax.Array) -> jax.Array:
+    """A uint32: the sum of x's bits (as unsigned integers of its width), each element weighted by
+    a product of odd numbers, one made from its index along each axis. Changing any one element
+    changes the sum (an odd factor cannot map a nonzero change to 0 modulo 2**32), and it wraps
+    modulo 2**32, so any order of adding up, on any device or mesh, gives the same digest. One
+    pass over the bytes: a second, independent sum would double the time on a CPU."""
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    weight = jnp.ones((), jnp.uint32)
+    for axis, n in enumerate(x.shape):
+        i = jnp.arange(n, dtype=jnp.uint32) + jnp.uint32(axis * 0x632BE5AB % 2**32)
+        odd = (i * jnp.uint32(0x9E3779B1)) ^ (i >> 13) | jnp.uint32(1)
+        weight = weight * odd.reshape([n if a == axis else 1 for a in range(x.ndim)])
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
+
+
+def _named_leaves(tree: dict) -> list[tuple[str, jax.Array]]:
+    """(path, array) of each leaf of a nested dict: "layers.3.wqkv", "layers.3.wqkv.q", "embed"."""
+    return [(".".join(k.key for k in path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _digests(tree: dict) -> dict[str, str]:
+    """Each array's `digest` as 8 hex digits, by path."""
+    named = _named_leaves(tree)
+    sums = jax.device_get([digest(x) for _, x in named])  # dispatched all, then fetched at once
+    return {name: f"{int(v):08x}" for (name, _), v in zip(named, sums)}
+
+
 def save(params: Params, directory: str | os.PathLike) -> Path:
     """Write params (on one device or sharded, without repeated KV heads) as a checkpoint."""
     import orbax.checkpoint as ocp
@@ -98,10 +133,12 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory} exists and is not empty")
     directory.mkdir(parents=True, exist_ok=True)
+    tree = _to_tree(params)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(directory / "params", _to_tree(params))
+        ckpt.save(directory / "params", tree)
+    digests = _digests(tree)  # every process takes part; process 0 writes them
     if jax.process_index() == 0:
-        meta = _config_to_json(params.config)
+        meta = _config_to_json(params.config) | {"digests": digests}
         if is_quantized(params):  # int8 values and float32 scales on disk: half the bytes
             meta["quant"], meta["dtype"] = "int8", jnp.dtype(params.dtype).name
         (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
@@ -139,34 +176,31 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
         quant, saved_dtype = meta_json.get("quant"), meta_json.get("dtype")
         if quant not in (None, "int8") or (quant and saved_dtype not in ("float32", "bfloat16", "float16")):
             raise ValueError(f"quant {quant!r} with dtype {saved_dtype!r} is not what jaxllm writes")
+        digests = _digests_from_json(meta_json)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
     if not (directory / "params").is_dir():
         raise ValueError(f"{directory}: the converted checkpoint has no params/ directory")
-    if quant == "int8":
-        if mesh is not None:
-            raise ValueError(f"{directory} holds int8 weights, which restore onto one device only; "
-                             "convert without --quant to shard it")
-        with _reading(directory):
-            return _restore_quantized(directory, cfg, jnp.dtype(dtype or saved_dtype))
-    stored = abstract_params(cfg, jnp.float32)
     with _reading(directory), ocp.StandardCheckpointer() as ckpt:
         meta = ckpt.metadata(directory / "params")
         meta_tree = getattr(meta, "item_metadata", meta)
         meta_tree = getattr(meta_tree, "tree", meta_tree)
-        leaves = jax.tree.leaves(meta_tree)
-    if not leaves:
+        saved = {name: jnp.dtype(m.dtype) for name, m in _named_leaves(meta_tree)}
+    if not saved:
         raise ValueError(f"{directory}: the converted checkpoint's params/ lists no arrays (its "
                          "_METADATA or manifest.ocdbt is missing or damaged): convert it again")
-    stored_dtype = jnp.dtype(leaves[0].dtype)
-    dtype = stored_dtype if dtype is None else jnp.dtype(dtype)
+    if quant == "int8":
+        if mesh is not None:
+            raise ValueError(f"{directory} holds int8 weights, which restore onto one device only; "
+                             "convert without --quant to shard it")
+        return _restore_quantized(directory, cfg, jnp.dtype(dtype or saved_dtype), saved, digests)
+    stored = abstract_params(cfg, jnp.float32)
+    dtype = next(iter(saved.values())) if dtype is None else jnp.dtype(dtype)
 
     if mesh is None:
         device = NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("one",)), P())
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=device), stored)
-        with _reading(directory), ocp.StandardCheckpointer() as ckpt:
-            tree = ckpt.restore(directory / "params", _to_tree(target))
-        return _from_tree(tree, stored)
+        return _from_tree(_read(directory, _to_tree(target), saved, digests), stored)
 
     layout, tp = sharding.plan(cfg, mesh, expert_parallel)
     r = tp.kv_replicas
@@ -191,12 +225,47 @@ def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = Non
     paths = leaf_paths(stored)
     target = jax.tree.unflatten(jax.tree.structure(stored),
                                 [target_of(p, s) for p, s in zip(paths, jax.tree.leaves(stored))])
-    with _reading(directory), ocp.StandardCheckpointer() as ckpt:
-        tree = ckpt.restore(directory / "params", _to_tree(target))
-    params = _from_tree(tree, target)
+    params = _from_tree(_read(directory, _to_tree(target), saved, digests), target)
     if r > 1:
         params = _relayout(params, cfg, layout, tp, mesh2)
     return params.replace(config=layout, tp=tp)
+
+
+def _digests_from_json(d: dict) -> dict[str, str]:
+    digests = d.get("digests")
+    if not (isinstance(digests, dict) and digests and all(
+            isinstance(v, str) and re.fullmatch("[0-9a-f]{8}", v) for v in digests.values())):
+        raise ValueError("digests must map each array's path to 8 hex digits: convert it again")
+    return digests
+
+
+def _read(directory: Path, target: dict, saved: dict[str, np.dtype], digests: dict[str, str]) -> dict:
+    """`target` (nested dicts of ShapeDtypeStructs) restored from params/: each array read in the
+    dtype it was saved in (`saved`, by path), checked against its digest, then cast to the target's
+    dtype, one array at a time."""
+    import orbax.checkpoint as ocp
+
+    named = _named_leaves(target)
+    unlisted, unread = sorted({n for n, _ in named} - digests.keys()), sorted(digests.keys() - {n for n, _ in named})
+    if unlisted or unread:
+        raise ValueError(f"{directory / CONFIG_FILE}: no digests for {unlisted[:3]} / digests for arrays the "
+                         f"model does not have {unread[:3]}: convert it again")
+    as_saved = [jax.ShapeDtypeStruct(t.shape, saved.get(n, t.dtype), sharding=t.sharding) for n, t in named]
+    treedef = jax.tree.structure(target)
+    with _reading(directory), ocp.StandardCheckpointer() as ckpt:
+        tree = ckpt.restore(directory / "params", jax.tree.unflatten(treedef, as_saved))
+    found = _digests(tree)
+    damaged = [n for n, _ in named if found[n] != digests[n]]
+    if damaged:
+        raise ValueError(f"{directory}: the converted checkpoint's params/ is damaged: "
+                         f"{', '.join(damaged[:3])}{' and more' if len(damaged) > 3 else ''} read back "
+                         "other bits than were saved (their digests differ): convert it again")
+    cast = []
+    for x, (_, t) in zip(jax.tree.leaves(tree), named):
+        cast.append(x if x.dtype == t.dtype else x.astype(t.dtype))
+        if cast[-1] is not x:
+            x.delete()  # one array in both dtypes at a time
+    return jax.tree.unflatten(treedef, cast)
 
 
 @contextlib.contextmanager
@@ -212,17 +281,14 @@ def _reading(directory: Path):
                          f"{type(e).__name__}: {problem}") from e
 
 
-def _restore_quantized(directory: Path, cfg: ModelConfig, dtype) -> Params:
+def _restore_quantized(directory: Path, cfg: ModelConfig, dtype, saved: dict[str, np.dtype],
+                       digests: dict[str, str]) -> Params:
     """An int8 checkpoint onto the default device: int8 values and float32 scales as saved, the
     other weights (norms, biases, an untied embedding) cast to `dtype`."""
-    import orbax.checkpoint as ocp
-
     template = jax.eval_shape(quantize_params, abstract_params(cfg, dtype))
     device = NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("one",)), P())
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), template)
-    with ocp.StandardCheckpointer() as ckpt:
-        tree = ckpt.restore(directory / "params", _to_tree(target))
-    return _from_tree(tree, template)
+    return _from_tree(_read(directory, _to_tree(target), saved, digests), template)
 
 
 def _relayout(params: Params, cfg: ModelConfig, layout: ModelConfig, tp, mesh2: Mesh | None) -> Params:

@@ -9,7 +9,9 @@ import os
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxllm
@@ -221,8 +223,13 @@ def converted(saved, tmp_path):
 
 
 def test_converted_copy_loads(converted):
+    """A copy loads in its own dtype, and cast (read as float32, checked, then cast)."""
     directory, _ = converted
     assert jaxllm.load(directory, dtype="float32").config == PRESETS["tiny"]
+    saved = jax.tree.leaves(random_params(PRESETS["tiny"], 0, jnp.float32))
+    for a, b in zip(jax.tree.leaves(jaxllm.load(directory, dtype="bfloat16")), saved, strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
 
 
 def _config(meta, **changes):
@@ -242,6 +249,13 @@ BAD_CHECKPOINT_CONFIGS = [
     ("theta_zero", lambda m: _config(m, rope=m["config"]["rope"] | {"theta": 0}), r"rope_theta .*> 0"),
     ("unknown_model_type", lambda m: _config(m, model_type="gpt2"), r"unknown architecture: model_type 'gpt2'"),
     ("bad_quant", lambda m: m | {"quant": "int4"}, r"quant 'int4'"),
+    ("format_1", lambda m: m | {"format": 1}, r"checkpoint format 1 is not 2: convert it again"),
+    ("no_digests", lambda m: {k: v for k, v in m.items() if k != "digests"}, r"digests must map each array"),
+    ("digest_not_hex", lambda m: m | {"digests": m["digests"] | {"embed": "0x12"}}, r"digests must map each array"),
+    ("digest_missing", lambda m: m | {"digests": {k: v for k, v in m["digests"].items() if k != "embed"}},
+     r"no digests for \['embed'\]"),
+    ("digest_unknown", lambda m: m | {"digests": m["digests"] | {"layers.9.wo": "0" * 8}},
+     r"digests for arrays the model does not have \['layers.9.wo'\]"),
 ]
 
 
@@ -271,3 +285,61 @@ def test_damaged_converted_params_are_named(converted, damage, message):
     damage(directory / "params")
     with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))}: .*{message}"):
         jaxllm.load(directory, dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("shape", [(), (7,), (5, 9), (2, 3, 4, 5)])
+def test_digest_changes_with_any_one_bit_or_swap(dtype, shape):
+    """Every copy of an array with one bit flipped, anywhere, or two unequal elements swapped, has
+    another digest than the array (a plain sum would miss the swaps)."""
+    x = np.asarray(jnp.asarray(np.random.default_rng(0).standard_normal(shape) * 50).astype(dtype)).reshape(-1)
+    bits = x.view(f"u{x.itemsize}")
+    flips = np.repeat(bits[None], bits.size * 8 * x.itemsize, axis=0)
+    rows = np.arange(len(flips))
+    flips[rows, rows // (8 * x.itemsize)] ^= (1 << (rows % (8 * x.itemsize))).astype(bits.dtype)
+    pairs = [(i, j) for i in range(x.size) for j in range(i) if bits[i] != bits[j]]
+    swaps = np.repeat(bits[None], len(pairs), axis=0)
+    for row, (i, j) in enumerate(pairs):
+        swaps[row, [i, j]] = bits[[j, i]]
+    copies = jnp.asarray(np.concatenate([flips, swaps]).view(x.dtype).reshape(-1, *shape))
+    assert not np.any(np.asarray(jax.vmap(checkpoint.digest)(copies)) == int(checkpoint.digest(x.reshape(shape))))
+
+
+def test_params_of_another_save_are_named(converted, tmp_path):
+    """params/ holding other values than its digests say (here: one weight changed, written by a
+    second save) is refused, naming that weight, in the saved dtype and when cast on restore."""
+    directory, _ = converted
+    params = random_params(PRESETS["tiny"], 0, jnp.float32)
+    layers = list(params.layers)
+    layers[1] = layers[1].replace(w_down=layers[1].w_down.at[3, 5].add(1e-6))
+    other = checkpoint.save(params.replace(layers=layers), tmp_path / "other")
+    shutil.rmtree(directory / "params")
+    shutil.copytree(other / "params", directory / "params")
+    for dtype in ("float32", "bfloat16"):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))}: the converted checkpoint's "
+                                             r"params/ is damaged: layers\.1\.w_down read back other bits"):
+            jaxllm.load(directory, dtype=dtype)
+
+
+def test_changed_data_bytes_are_named_or_harmless(saved, tmp_path):
+    """Bytes overwritten inside params/' largest data file: each load is refused with the
+    checkpoint named, or gives the saved weights exactly, never other weights. Before the digests,
+    most such loads gave other weights without a word (zstd notices few such changes)."""
+    expected = [np.asarray(x) for x in jax.tree.leaves(random_params(PRESETS["tiny"], 0, jnp.float32))]
+    rng = np.random.default_rng(0)
+    by_digest = 0
+    for i in range(12):
+        directory = shutil.copytree(saved, tmp_path / str(i))
+        data = max((directory / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
+        with open(data, "r+b") as f:
+            f.seek(int(rng.integers(0, data.stat().st_size - 16)))
+            f.write(rng.integers(0, 256, 16, dtype=np.uint8).tobytes())
+        try:
+            loaded = jax.tree.leaves(jaxllm.load(directory, dtype="float32"))
+        except ValueError as e:
+            assert str(e).startswith(f"{directory}: "), e
+            by_digest += "digests differ" in str(e)
+            continue
+        for a, b in zip(loaded, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    assert by_digest > 0  # the digests, not only orbax's own checks, did the refusing
