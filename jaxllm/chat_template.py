@@ -10,7 +10,8 @@ What this module owns:
   over a loop, a string doubled forty times or `'a'.ljust(10**10)` hangs or exhausts a process.
   The render runs in a child process (this file, run by itself: it imports nothing of jaxllm, so
   it starts in a tenth of a second, once, and then serves every render) under a time limit and a
-  memory limit (`RENDER_SECONDS`, `RENDER_MEMORY`); whatever the template does, the caller gets a
+  memory limit (`RENDER_SECONDS`, `RENDER_MEMORY`), and its text may be at most `RENDER_CHARS`
+  long, so the caller never holds more; whatever the template does, the caller gets a
   `ChatTemplateError` that says which limit it hit, and the next render a fresh process. Inside
   it, budgets on `range()` items and on `*` and `**` name the common runaways at once. Threads
   take turns in the one child; a forked process starts its own; a child ends with its parent.
@@ -183,6 +184,7 @@ def _compile(template: str):
 
 RENDER_SECONDS = 10.0  # one render's time limit, its transfers included; real ones take milliseconds
 RENDER_MEMORY = 2 << 30  # the child's address space: ample for any real conversation
+RENDER_CHARS = 32 << 20  # the longest text a render returns: far past any model's context
 _CACHED_TEMPLATE_CHARS = 1 << 20  # longer templates are compiled afresh: the cache would fill the child
 _OUT_OF_MEMORY = (f"the chat template failed: MemoryError: it needed more than the {RENDER_MEMORY >> 20} "
                   "MB a render may use")
@@ -211,7 +213,7 @@ def render_chat_template(template: str, messages: list[Mapping], *, add_generati
         # APIs send `content=None` / `tool_calls=None`; templates handle a missing key, not None
         chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
     request = dict(template=str.__str__(template), messages=chat, tools=tools, documents=documents,
-                   add_generation_prompt=add_generation_prompt, context=context)
+                   add_generation_prompt=add_generation_prompt, context=context, max_chars=RENDER_CHARS)
     reply = _Worker.render(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
     if "error" in reply:
         raise ChatTemplateError(reply["error"])
@@ -219,21 +221,27 @@ def render_chat_template(template: str, messages: list[Mapping], *, add_generati
 
 
 def _render(template: str, messages: list[dict], tools, documents, add_generation_prompt: bool,
-            context: dict) -> str:
-    """The render itself, in the child: every failure of the template a ChatTemplateError."""
+            context: dict, max_chars: int) -> str:
+    """The render itself, in the child: every failure of the template, and a text longer than
+    `max_chars` (which the caller would have to hold, then tokenize), a ChatTemplateError."""
     import jinja2
 
     budget = _range_budget.set([_TEMPLATE_MAX_ITEMS])
     try:
         if len(template) <= _CACHED_TEMPLATE_CHARS:
-            return _compile(template).render(messages=messages, tools=tools, documents=documents,
+            text = _compile(template).render(messages=messages, tools=tools, documents=documents,
                                              add_generation_prompt=add_generation_prompt, **context)
-        try:  # compiled afresh, and its environment's reference cycles freed at once
-            return _compile.__wrapped__(template).render(
-                messages=messages, tools=tools, documents=documents,
-                add_generation_prompt=add_generation_prompt, **context)
-        finally:
-            gc.collect()
+        else:
+            try:  # compiled afresh, and its environment's reference cycles freed at once
+                text = _compile.__wrapped__(template).render(
+                    messages=messages, tools=tools, documents=documents,
+                    add_generation_prompt=add_generation_prompt, **context)
+            finally:
+                gc.collect()
+        if len(text) > max_chars:
+            raise ChatTemplateError(f"the chat template's text is {len(text)} characters long, more than the "
+                                    f"{max_chars} a render may return")
+        return text
     except ChatTemplateError:
         raise
     except jinja2.exceptions.TemplateSyntaxError as e:

@@ -218,6 +218,17 @@ def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, nam
     assert ours.apply_chat_template(chat, chat_template="{{ messages[0].content }}!") == "x!"
 
 
+def test_a_text_longer_than_the_limit_is_refused(ours, monkeypatch):
+    """A template's text past `RENDER_CHARS` is an error naming its length, never handed back (here
+    a limit of 1000 characters; by default 32M, far past any model's context)."""
+    monkeypatch.setattr("jaxllm.chat_template.RENDER_CHARS", 1000)
+    chat = [{"role": "user", "content": "x" * 600}]
+    assert len(ours.apply_chat_template(chat, chat_template="{{ messages[0].content }}")) == 600
+    with pytest.raises(ChatTemplateError, match="text is 1200 characters long, more than the 1000 a render"):
+        ours.apply_chat_template(chat, chat_template="{{ messages[0].content * 2 }}")
+    assert ours.apply_chat_template(chat, chat_template="{{ messages[0].content[:3] }}!") == "xxx!"
+
+
 def test_conversations_of_arrays_and_deep_nesting(ours):
     """Arrays reach the template as lists; a conversation nested past Python's recursion limit is
     a ChatTemplateError naming it (both were raw ValueError and RecursionError)."""
