@@ -13,8 +13,9 @@ What this module owns:
   memory limit (`RENDER_SECONDS`, `RENDER_MEMORY`), and its text may be at most `RENDER_CHARS`
   long, so the caller never holds more; whatever the template does, the caller gets a
   `ChatTemplateError` that says which limit it hit, and the next render a fresh process. Inside
-  it, budgets on `range()` items and on `*` and `**` name the common runaways at once. Threads
-  take turns in the one child; a forked process starts its own; a child ends with its parent.
+  it, budgets on `range()` items and on `*` and `**` name the common runaways at once. Renders
+  from several threads run at once, up to `RENDER_PROCESSES` children, so a runaway holds up only
+  its own caller; a forked process starts its own children; a child ends with its parent.
 
 This file imports only the standard library and jinja2, since the child loads it alone.
 """
@@ -185,6 +186,7 @@ def _compile(template: str):
 RENDER_SECONDS = 10.0  # one render's time limit, its transfers included; real ones take milliseconds
 RENDER_MEMORY = 2 << 30  # the child's address space: ample for any real conversation
 RENDER_CHARS = 32 << 20  # the longest text a render returns: far past any model's context
+RENDER_PROCESSES = 4  # renders under way at once, from several threads, each in a child of its own
 _CACHED_TEMPLATE_CHARS = 1 << 20  # longer templates are compiled afresh: the cache would fill the child
 _OUT_OF_MEMORY = (f"the chat template failed: MemoryError: it needed more than the {RENDER_MEMORY >> 20} "
                   "MB a render may use")
@@ -194,8 +196,8 @@ def render_chat_template(template: str, messages: list[Mapping], *, add_generati
                          tools: list[dict] | None = None, documents: list[dict] | None = None,
                          **context) -> str:
     """Render a chat template in jinja2's immutable sandbox, with transformers' globals and inputs,
-    in the render process, within `RENDER_SECONDS` and `RENDER_MEMORY`. Renders from several
-    threads take turns in the one process."""
+    in a render process, within `RENDER_SECONDS`, `RENDER_MEMORY` and `RENDER_CHARS`. Renders
+    from several threads run at once, each in a process of its own (up to `RENDER_PROCESSES`)."""
     if not isinstance(template, str):
         raise TypeError(f"a chat template is a string, not {type(template).__name__}")
     try:
@@ -269,11 +271,14 @@ class _ProcessEnded(Exception):
 
 
 class _Worker:
-    """The child process that renders, started at the first render and kept. A fresh one after a
-    render that ran out of time or memory, or was interrupted, and in a forked process."""
+    """A child process that renders. Started as renders need them, up to `RENDER_PROCESSES` at
+    once, and kept for the next render. One that ran out of time or memory, or was interrupted
+    mid-exchange, is stopped, so the next render gets a fresh one; a forked process starts its own."""
 
-    _lock = threading.Lock()
-    _current: _Worker | None = None
+    _lock = threading.Lock()  # guards _idle and _all
+    _idle: list[_Worker] = []  # children waiting for a render
+    _all: set[_Worker] = set()  # every child not yet stopped, idle or rendering
+    _turns = threading.BoundedSemaphore(RENDER_PROCESSES)
 
     def __init__(self):
         if not sys.executable:
@@ -295,14 +300,18 @@ class _Worker:
         os.set_blocking(self.requests, False)
         for fd in (self.replies, self.requests):
             _widen_pipe(fd)
+        with _Worker._lock:
+            _Worker._all.add(self)
 
     @classmethod
     def render(cls, payload: bytes) -> dict:
-        with cls._lock:
-            worker = cls._current
+        with cls._turns:  # a render waits here only while RENDER_PROCESSES others are under way
+            with cls._lock:
+                worker = cls._idle.pop() if cls._idle else None
             if worker is None or worker.process.poll() is not None:
-                cls._stop()
-                worker = cls._current = _Worker()
+                if worker is not None:
+                    worker.stop()
+                worker = cls()
             try:
                 deadline = time.monotonic() + RENDER_SECONDS
                 worker.send(payload, deadline)
@@ -310,21 +319,24 @@ class _Worker:
                 reply = json.loads(worker.receive(size, deadline))
                 if not (isinstance(reply, dict) and isinstance(reply.get("text", reply.get("error")), str)):
                     raise _ProcessEnded
-                if reply.get("ended"):  # it ran out of memory and ends: not to be sent the next one
-                    cls._stop()
-                return reply
             except TimeoutError:
-                cls._stop()
+                worker.stop()
                 raise ChatTemplateError(f"the chat template ran for more than {RENDER_SECONDS:g} s, "
                                         "the limit of one render") from None
             except (_ProcessEnded, ValueError, struct.error, OSError):  # EOF, a broken pipe, not JSON
-                code = cls._stop()
+                code = worker.stop()
                 how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 raise ChatTemplateError(f"the chat template's render process ended ({how}) without a "
                                         "reply") from None
             except BaseException:  # Ctrl-C or anything else mid-exchange: the stream is out of step
-                cls._stop()
+                worker.stop()
                 raise
+            if reply.get("ended"):  # it ran out of memory and ends: not to be sent the next one
+                worker.stop()
+            else:
+                with cls._lock:
+                    cls._idle.append(worker)
+            return reply
 
     def send(self, payload: bytes, deadline: float) -> None:
         data = memoryview(struct.pack("<Q", len(payload)) + payload)
@@ -349,28 +361,41 @@ class _Worker:
                 got += chunk
         return bytes(got)
 
-    @classmethod
-    def _stop(cls) -> int | None:
-        """Stop the current child, if any, and give its exit code."""
-        worker, cls._current = cls._current, None
-        if worker is None:
-            return None
-        worker.process.kill()
-        for close in (worker.process.stdin.close, lambda: os.close(worker.replies)):
+    def stop(self) -> int | None:
+        """Stop this child and give its exit code."""
+        with _Worker._lock:
+            _Worker._all.discard(self)
+        self.process.kill()
+        for close in (self.process.stdin.close, lambda: os.close(self.replies)):
             try:
                 close()
             except OSError:
                 pass
-        return worker.process.wait()
+        return self.process.wait()
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every child: the idle ones here; the rendering ones are killed, and the thread that
+        renders with each closes its pipes (closed under it, a descriptor could be reused by a file
+        opened meanwhile), its render failing with a ChatTemplateError that names the end."""
+        with cls._lock:
+            idle, cls._idle = cls._idle, []
+            rendering = cls._all.difference(idle)
+        for worker in idle:
+            worker.stop()
+        for worker in rendering:
+            worker.process.kill()
 
 
 def _after_fork_in_child() -> None:
-    """The parent's child and lock (perhaps held by a thread that did not come along) stay its own."""
+    """The parent's children, lock (perhaps held by a thread that did not come along) and turns
+    stay its own: a forked process talking to its parent's child would garble both's renders."""
     _Worker._lock = threading.Lock()
-    _Worker._current = None
+    _Worker._idle, _Worker._all = [], set()
+    _Worker._turns = threading.BoundedSemaphore(RENDER_PROCESSES)
 
 
-atexit.register(_Worker._stop)  # a child still running at exit is killed, not left to see EOF
+atexit.register(_Worker.stop_all)  # a child still running at exit is killed, not left to see EOF
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -25,8 +26,9 @@ def render(n: int) -> str:
 
 
 def child_pid() -> int:
+    """The pid of the child the next render (from this thread alone) will use."""
     render(0)
-    return _Worker._current.process.pid
+    return _Worker._idle[-1].process.pid
 
 
 def test_an_interrupt_while_the_request_is_sent_leaves_no_stale_reply(monkeypatch):
@@ -56,7 +58,31 @@ def test_a_stopped_render_process_times_out_while_the_request_is_sent(monkeypatc
     big = [{"role": "user", "content": "y" * (8 << 20)}]
     error = error_within(20, lambda: render_chat_template("{{ 1 }}", big), ChatTemplateError)
     assert "ran for more than 2 s" in str(error)
-    assert render(5) == "x5" and _Worker._current.process.pid != pid
+    assert render(5) == "x5" and _Worker._idle[-1].process.pid != pid
+
+
+def test_a_runaway_in_one_thread_does_not_hold_up_another(monkeypatch):
+    """Renders from several threads run in children of their own: quick ones return while a
+    runaway in another thread is still under way (they used to take turns in one child, so a quick
+    render waited out the runaway's limit)."""
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 20.0)
+    errors = []
+
+    def runaway():
+        try:
+            render_chat_template(SLOW, CHAT)
+        except ChatTemplateError as e:
+            errors.append(str(e))
+    thread = threading.Thread(target=runaway, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # its render under way
+    try:
+        assert [render(n) for n in range(3)] == ["x0", "x1", "x2"]
+        assert thread.is_alive()
+    finally:
+        _Worker.stop_all()
+        thread.join(10)
+    assert errors and "render process ended" in errors[0]
 
 
 def test_renders_work_with_over_a_thousand_files_open():
@@ -64,10 +90,10 @@ def test_renders_work_with_over_a_thousand_files_open():
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))
-    _Worker._stop()  # the next child's pipes get descriptors above the 1100 opened here
+    _Worker.stop_all()  # the next child's pipes get descriptors above the 1100 opened here
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
-        assert render(1) == "x1" and min(_Worker._current.replies, _Worker._current.requests) > 1023
+        assert render(1) == "x1" and min(_Worker._idle[-1].replies, _Worker._idle[-1].requests) > 1023
     finally:
         for fd in fds:
             os.close(fd)
@@ -78,12 +104,12 @@ def test_a_noisy_interpreter_does_not_break_the_replies(tmp_path, monkeypatch, c
     """A sitecustomize that prints reaches the child's stdout, which is not where replies go."""
     (tmp_path / "sitecustomize.py").write_text("print('hello from sitecustomize')\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    _Worker._stop()
+    _Worker.stop_all()
     try:
         assert [render(n) for n in range(2)] == ["x0", "x1"]
         assert "hello from sitecustomize" in capfd.readouterr().out  # the child did start with it
     finally:
-        _Worker._stop()
+        _Worker.stop_all()
 
 
 def run_alone(script: str, out) -> tuple[str, str]:
@@ -99,14 +125,16 @@ def run_alone(script: str, out) -> tuple[str, str]:
 
 
 def test_a_fork_while_a_render_is_under_way_renders_in_the_forked_process(tmp_path):
-    """The forked process gets a lock of its own and a child of its own: it neither waits for ever
-    on the copied, held lock nor talks to its parent's child."""
+    """The forked process gets turns and a child of its own: it neither waits for ever on a copy
+    of turns all taken (here the one turn there is) nor talks to its parent's child."""
     stdout, stderr = run_alone(f"""
         import os, threading, time
         ct.RENDER_SECONDS = 3.0
+        ct.RENDER_PROCESSES = 1
+        ct._Worker._turns = threading.BoundedSemaphore(1)
         chat = [{{"role": "user", "content": "x"}}]
         threading.Thread(target=lambda: ct.render_chat_template({SLOW!r}, chat), daemon=True).start()
-        time.sleep(0.5)  # the thread holds the lock, its render under way
+        time.sleep(0.5)  # the thread holds the turn, its render under way
         pid = os.fork()
         if pid == 0:
             os._exit(0 if ct.render_chat_template("{{{{ 2 + 2 }}}}", chat) == "4" else 3)
@@ -125,7 +153,7 @@ def test_a_render_process_ends_when_its_parent_dies(tmp_path):
         threading.Thread(target=lambda: ct.render_chat_template({SLOW!r}, [{{"role": "user", "content": "x"}}]),
                          daemon=True).start()
         time.sleep(1.0)
-        print(ct._Worker._current.process.pid, flush=True)
+        print(next(iter(ct._Worker._all)).process.pid, flush=True)
         os._exit(0)  # no atexit: the child is orphaned mid-render
     """, tmp_path)
     orphan = int(stdout.split()[0])
@@ -149,4 +177,4 @@ def test_a_render_after_running_out_of_memory_gets_a_fresh_process(monkeypatch):
     pid = child_pid()
     with pytest.raises(ChatTemplateError, match="MemoryError: it needed more than the 2048 MB"):
         render_chat_template("{{ 'a'.ljust(10**10) }}", CHAT)
-    assert render(7) == "x7" and _Worker._current.process.pid != pid
+    assert render(7) == "x7" and _Worker._idle[-1].process.pid != pid

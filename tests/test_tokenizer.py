@@ -247,8 +247,8 @@ def test_a_render_process_that_died_is_replaced(ours):
 
     chat = [{"role": "user", "content": "x"}]
     assert ours.apply_chat_template(chat, chat_template="{{ 1 + 1 }}") == "2"
-    _Worker._current.process.kill()
-    _Worker._current.process.wait()
+    _Worker._idle[-1].process.kill()
+    _Worker._idle[-1].process.wait()
     assert ours.apply_chat_template(chat, chat_template="{{ 2 + 2 }}") == "4"
 
 
