@@ -300,12 +300,18 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
         parts = list(zip(s.hf, s.parts(out), strict=True))
         for (name, _), part in parts:
             source.read_into(name, part)
-        if first_nonfinite(out) is not None:  # the source tensor and index named: a rare path
+        if first_nonfinite(out, dtype) is not None:  # the source tensor and index named: a rare path
             for (name, shape), part in parts:
                 part = np.ascontiguousarray(part)  # in the source's C order (`read_into`)
-                if (at := first_nonfinite(part)) is not None:
+                if (at := first_nonfinite(part, dtype)) is not None:
                     at = tuple(int(i) for i in np.unravel_index(np.ravel_multi_index(at, part.shape), shape))
-                    raise ValueError(f"tensor {name} holds {part.reshape(shape)[at]} at index {at}: "
+                    value = part.reshape(shape)[at]
+                    if np.isfinite(value):
+                        inf = "-inf" if value < 0 else "inf"
+                        raise ValueError(f"tensor {name} holds {value} at index {at}, past what "
+                                         f"{jnp.dtype(dtype).name} can hold (it would become {inf}): "
+                                         "load the checkpoint in a wider dtype")
+                    raise ValueError(f"tensor {name} holds {value} at index {at}: "
                                      "the checkpoint is damaged (a weight must be a finite number)")
         return out
 
@@ -332,18 +338,42 @@ _EXPONENT_BITS = {np.dtype(np.float16): 0x7C00, np.dtype(jnp.bfloat16): 0x7F80,
 _CHECK_PIECE = 1 << 20  # elements
 
 
-def first_nonfinite(x: np.ndarray) -> tuple[int, ...] | None:
-    """The index of the first NaN or infinity in a C-contiguous array, None if there is none (and
-    for integer arrays)."""
+@functools.cache
+def _unfit_bits(source: np.dtype, target: np.dtype) -> int:
+    """The bits, sign aside, of the smallest `source` magnitude that is not a finite number in
+    `target` (infinity where `target` holds every finite `source` value): each larger one, NaN
+    and infinity included, is not either, since magnitudes order as their bits do."""
+    unsigned = np.dtype(f"u{source.itemsize}")
+    fits, unfit = 0, _EXPONENT_BITS[source]  # zero fits; infinity does not
+    while unfit - fits > 1:
+        mid = (fits + unfit) // 2
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = np.isfinite(np.array(mid, unsigned).view(source).astype(target))
+        if finite:
+            fits = mid
+        else:
+            unfit = mid
+    return unfit
+
+
+def first_nonfinite(x: np.ndarray, dtype=None) -> tuple[int, ...] | None:
+    """The index of the first NaN or infinity in a C-contiguous array, or of the first value that
+    would become one cast to `dtype` (too large for it); None if there is none (and for integer
+    arrays)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return None
-    flat, mask = x.reshape(-1), _EXPONENT_BITS.get(x.dtype)
+    target = x.dtype if dtype is None else np.dtype(jnp.dtype(dtype))
+    known = x.dtype in _EXPONENT_BITS
+    limit = _unfit_bits(x.dtype, target) if known else None
+    magnitude = _EXPONENT_BITS[x.dtype] | (_EXPONENT_BITS[x.dtype] - 1) if known else None
+    flat = x.reshape(-1)
     for start in range(0, flat.size, _CHECK_PIECE):
         piece = flat[start:start + _CHECK_PIECE]
-        if mask is None:  # float8 and the like: no bit pattern shared by all their NaNs
-            bad = ~np.isfinite(piece)
-        else:
-            bad = (piece.view(f"u{x.dtype.itemsize}") & mask) == mask
+        if known:
+            bad = (piece.view(f"u{x.dtype.itemsize}") & magnitude) >= limit
+        else:  # float8 and the like: no bit pattern shared by all their NaNs
+            with np.errstate(over="ignore", invalid="ignore"):
+                bad = ~np.isfinite(piece.astype(target))
         if bad.any():
             return tuple(int(i) for i in np.unravel_index(start + int(np.argmax(bad)), x.shape))
     return None

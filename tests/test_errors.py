@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -285,6 +286,39 @@ def test_a_weight_that_is_not_a_number_is_named(checkpoint, value, dtype):
     with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.self_attn\.k_proj\.weight holds "
                                          r"-?(nan|inf) at index \(5, 7\): the checkpoint is damaged"):
         jaxllm.load(checkpoint, dtype="float32")
+
+
+@pytest.mark.parametrize("value, source, dtype", [(1e6, np.float32, "float16"), (-70000.0, "bfloat16", "float16"),
+                                                  (1e300, np.float64, "float32")])
+def test_a_weight_too_large_for_the_dtype_is_named(checkpoint, value, source, dtype):
+    """A finite weight past the range of the dtype asked for would load as infinity and give NaN
+    logits: it is refused, naming the tensor, the index and the dtype; the source's own dtype loads."""
+    from safetensors.numpy import load_file, save_file
+
+    path = checkpoint / "model.safetensors"
+    tensors = {name: t.astype(np.dtype(jnp.dtype(source))) for name, t in load_file(path).items()}
+    tensors["model.layers.1.self_attn.k_proj.weight"][5, 7] = value
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor model\.layers\.1\.self_attn\.k_proj\.weight holds "
+                                         rf"{re.escape(f'{np.dtype(jnp.dtype(source)).type(value)}')} at index "
+                                         rf"\(5, 7\), past what {dtype} can hold \(it would become -?inf\)"):
+        jaxllm.load(checkpoint, dtype=dtype)
+    wide = "float32" if source != np.float64 else None
+    if wide:
+        assert np.isfinite(np.asarray(jaxllm.load(checkpoint, dtype=wide).layers[1].wqkv, np.float32)).all()
+
+
+def test_first_nonfinite_finds_values_too_large_for_the_target():
+    from jaxllm.params import first_nonfinite
+
+    x = np.zeros((4, 5), np.float32)
+    x[2, 3] = 65519.99  # rounds to float16's largest, 65504
+    assert first_nonfinite(x, "float16") is None
+    x[3, 1] = -65520.0  # rounds to -inf
+    assert first_nonfinite(x, "float16") == (3, 1)
+    assert first_nonfinite(x, "bfloat16") is None and first_nonfinite(x, "float32") is None
+    x[0, 0] = 3.4e38  # past bfloat16's largest, 3.3895e38, by more than half a step
+    assert first_nonfinite(x, "bfloat16") == (0, 0)
 
 
 def test_first_nonfinite_finds_every_nan_and_infinity():
