@@ -16,6 +16,11 @@ import numpy as np
 
 # model_type -> the family features transformers gives it. Anything else is refused by name.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+INT32_MAX = 2 ** 31 - 1
+# Far past any published model (126 layers, 512 experts): a damaged count is refused before a
+# name or flag is made for each layer or expert, which would take minutes or all the memory.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 4096
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -24,14 +29,18 @@ def _fix(obj, name: str, value):
     object.__setattr__(obj, name, value)
 
 
-def _as_int(name: str, value, least: int | None = None) -> int:
-    """`value` as an int: an int or a whole float, not a bool, >= least; else a ValueError naming it."""
+def _as_int(name: str, value, least: int | None = None, most: int = INT32_MAX) -> int:
+    """`value` as an int: an int or a whole float, not a bool, in [least, most]; else a ValueError
+    naming it. Sizes, ids and windows all become int32 on the device: `most` is int32's largest by
+    default, so none wraps there."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, not {value!r}")
     if least is not None and value < least:
         raise ValueError(f"{name} must be >= {least}, not {value}")
+    if value > most:
+        raise ValueError(f"{name} must be at most {most}, not {value}")
     return int(value)
 
 
@@ -139,9 +148,9 @@ class ModelConfig:
                              f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings"):
-            _fix(self, name, _as_int(name, getattr(self, name), 1))
+            _fix(self, name, _as_int(name, getattr(self, name), 1, MAX_LAYERS if name == "num_layers" else INT32_MAX))
         for name in ("ffn_size", "num_experts", "experts_per_token", "moe_ffn_size"):
-            _fix(self, name, _as_int(name, getattr(self, name), 0))
+            _fix(self, name, _as_int(name, getattr(self, name), 0, MAX_EXPERTS if name == "num_experts" else INT32_MAX))
         _fix(self, "rms_norm_eps", _as_float("rms_norm_eps", self.rms_norm_eps, least=0.0))
         if self.sliding_window is not None:
             _fix(self, "sliding_window", _as_int("sliding_window", self.sliding_window, 1))
@@ -271,14 +280,14 @@ def read_json_object(path: Path) -> dict:
 _REQUIRED = object()
 
 
-def _int(c: dict, key: str, default=_REQUIRED, least: int | None = 1) -> int:
-    """config key `key` as an int >= least; absent or null: `default` (no default: an error)."""
+def _int(c: dict, key: str, default=_REQUIRED, least: int | None = 1, most: int = INT32_MAX) -> int:
+    """config key `key` as an int in [least, most]; absent or null: `default` (no default: an error)."""
     value = c.get(key)
     if value is None:
         if default is _REQUIRED:
             raise ValueError(f"config.json lacks required key {key!r}")
         return default
-    return _as_int(key, value, least)
+    return _as_int(key, value, least, most)
 
 
 def _float(c: dict, key: str, default: float, **bounds) -> float:
@@ -308,7 +317,7 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         raise ValueError(
             f"unknown architecture: model_type {model_type!r} (architectures {archs}); "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    num_layers = _int(c, "num_hidden_layers")
+    num_layers = _int(c, "num_hidden_layers", most=MAX_LAYERS)  # before any per-layer tuple is made
     num_heads = _int(c, "num_attention_heads")
     hidden = _int(c, "hidden_size")
     num_kv = _int(c, "num_key_value_heads", num_heads)
@@ -343,14 +352,14 @@ def _from_hf_dict(c: dict) -> ModelConfig:
     # as num_local_experts (an attribute_map alias); published checkpoints spell it num_experts.
     num_experts, per_token, moe_ffn, moe_layers, norm_topk = 0, 0, 0, (), True
     if model_type == "mixtral":
-        num_experts = _int(c, "num_local_experts", 8)
+        num_experts = _int(c, "num_local_experts", 8, most=MAX_EXPERTS)
         per_token = _int(c, "num_experts_per_tok", 2)
         moe_ffn = _int(c, "intermediate_size")
         moe_layers = (True,) * num_layers
         norm_topk = True  # Mixtral's router always renormalizes its top-k; it has no such key
     elif model_type == "qwen3_moe":
         experts_key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
-        num_experts = _int(c, experts_key, 128, least=0)
+        num_experts = _int(c, experts_key, 128, least=0, most=MAX_EXPERTS)
         per_token = _int(c, "num_experts_per_tok", 8)
         moe_ffn = _int(c, "moe_intermediate_size", 768)
         norm_topk = _bool(c, "norm_topk_prob", False)

@@ -49,6 +49,7 @@ _NUMPY_SCALARS = {
     10: "<u8", 11: "<i8", 12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+_MAX_NESTING = 16  # arrays of arrays: llama.cpp writes none; a damaged file may claim thousands
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class _Reader:
         except UnicodeDecodeError as e:
             raise self.fail(f"{what} is not UTF-8 ({e})") from None
 
-    def value(self, vtype: int, what: str):
+    def value(self, vtype: int, what: str, depth: int = 0):
         if vtype in _SCALARS:
             return self.scalar(vtype, what)
         if vtype == _STRING:
@@ -125,7 +126,9 @@ class _Reader:
         # Each string or array element takes at least 8 bytes: a count this large cannot fit, and
         # checking first keeps a corrupt count from becoming a long loop.
         self.need(count * 8, what)
-        return [self.value(etype, what) for _ in range(count)]
+        if etype == _ARRAY and depth >= _MAX_NESTING:  # before Python's own recursion limit
+            raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
+        return [self.value(etype, what, depth + 1) for _ in range(count)]
 
 
 def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
@@ -550,6 +553,10 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
         names[gguf_name] = hf_names
 
     hf_names = {n for group in names.values() for n in group}
+    blocks = {n.split(".")[2] for n in hf_names if n.startswith("model.layers.")}
+    if layers > len(blocks):  # found before a name is made for each block it claims
+        raise ValueError(f"{header.path}: GGUF metadata gives block_count={layers}, but the file holds "
+                         f"tensors of {len(blocks)} blocks")
     missing = [n for n in _required_names(config, arch.model_type) if n not in hf_names]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

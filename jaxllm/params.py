@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import queue
+import re
 import threading
 from typing import Any, Callable, Protocol
 
@@ -258,6 +259,9 @@ class TensorSource(Protocol):
     def read_into(self, name: str, view: np.ndarray) -> None: ...  # the values, in C order
 
 
+_LAYER_INDEX, _EXPERT_INDEX = re.compile(r"^model\.layers\.(\d+)\."), re.compile(r"\.experts\.(\d+)\.")
+
+
 def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
                     place: Callable[[str, np.ndarray], Any] | None = None,
                     progress: Callable[[int], None] | None = None, threads: int = 1,
@@ -274,6 +278,13 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
     the device takes what was read, with at most `buffer_bytes` read but not yet placed.
     (`place` and `progress` then run on those threads.)
     """
+    # A damaged count in the config would first make a name for each of its layers and experts.
+    for what, pattern, count in (("layers", _LAYER_INDEX, cfg.num_layers),
+                                 ("experts", _EXPERT_INDEX, cfg.num_experts)):
+        held = {m.group(1) for n in source.shapes if (m := pattern.search(n))}
+        if count > len(held):
+            raise ValueError(f"the config has {count} {what}, but the checkpoint holds tensors of "
+                             f"{len(held)} {what} only")
     jobs = named_specs(cfg)
     expected = {name: shape for _, s in jobs for name, shape in s.hf}
     # Checkpoints often carry the rotary inv_freq buffer; it is derived from the config instead.

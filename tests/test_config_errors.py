@@ -83,6 +83,16 @@ BAD_CONFIGS = [
     ("eos_dict", lambda c: c | dict(eos_token_id={}), r"eos_token_id must be an integer, not \{\}"),
     ("pad_text", lambda c: c | dict(pad_token_id="x"), r"pad_token_id must be an integer, not 'x'"),
     ("rope_parameters_list", lambda c: c | dict(rope_parameters=[1]), r"rope_parameters.* must be an object"),
+    # counts and ids past what jaxllm can hold: refused before a flag is made per layer or expert
+    # (a billion layers of Mixtral took all the memory) or an id wraps around in int32
+    ("layers_billion", lambda c: c | dict(model_type="mixtral", num_hidden_layers=10**9),
+     r"num_hidden_layers must be at most 4096, not 1000000000"),
+    ("experts_huge", lambda c: c | dict(model_type="mixtral", num_local_experts=10**8),
+     r"num_local_experts must be at most 4096, not 100000000"),
+    ("qwen_experts_huge", lambda c: _moe(c) | dict(num_experts=2**31), r"num_experts must be at most 4096"),
+    ("eos_past_int32", lambda c: c | dict(eos_token_id=2**70), r"eos_token_id must be at most 2147483647"),
+    ("pad_past_int32", lambda c: c | dict(pad_token_id=2**40), r"pad_token_id must be at most 2147483647"),
+    ("window_past_int32", lambda c: c | dict(sliding_window=10**12), r"sliding_window must be at most 2147483647"),
 ]
 
 
@@ -92,6 +102,15 @@ def test_bad_config_value_is_named(hf_dir, edit, message):
     _write(path / "config.json", edit(config))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path / 'config.json'))}: .*{message}"):
         ModelConfig.from_hf(path)
+
+
+def test_more_layers_than_the_checkpoint_holds_is_named_at_once(hf_dir):
+    """A config claiming far more layers than the checkpoint holds fails before a name is made for
+    each (within the 4096 cap: 4000 layers' names are quick, but so is the message)."""
+    path, config = hf_dir
+    _write(path / "config.json", config | dict(num_hidden_layers=4000))
+    error = error_within(60, lambda: jaxllm.load(path, dtype="float32"), ValueError)
+    assert "the config has 4000 layers, but the checkpoint holds tensors of 3 layers only" in str(error)
 
 
 def test_nan_eps_fails_the_load_not_the_logits(hf_dir):

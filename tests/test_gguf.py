@@ -7,6 +7,7 @@ with the same model skeleton, so the tensors compared are the ones `from_pretrai
 
 import math
 import pickle
+import re
 import struct
 
 import gguf
@@ -18,6 +19,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from jaxllm.gguf import read_gguf, read_gguf_header
 from jaxllm.paths import default_model_path
+from hangs import error_within
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -362,6 +364,47 @@ def test_huge_metadata_count(tmp_path):
     path = tmp_path / "huge.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1 << 60) + bytes(64))
     with pytest.raises(ValueError, match="truncated"):
+        read_gguf_header(path)
+
+
+def _set_uint32(path, key: str, value: int):
+    """Overwrite the uint32 value of metadata `key` in a GGUF file written by `write_tiny`."""
+    data = bytearray(path.read_bytes())
+    at = data.index(key.encode()) + len(key) + 4  # the key, then its value type (uint32)
+    data[at:at + 4] = struct.pack("<I", value)
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("arch, key, experts, message", [
+    ("llama", "llama.block_count", 0, r"num_hidden_layers must be at most 4096, not 2147483648"),
+    ("llama", "llama.expert_count", 4, r"num_local_experts must be at most 4096, not 2147483648"),
+])
+def test_a_huge_count_is_refused_at_once(tmp_path, arch, key, experts, message):
+    """A damaged block or expert count made a name for each block or expert it claimed: a load that
+    never returned. It is refused before any is made."""
+    path = tmp_path / "huge.gguf"
+    write_tiny(path, arch, D=64, N=2, K=1, H=32, F=32, L=1, V=64, experts=experts)
+    _set_uint32(path, key, 2**31)
+    error = error_within(60, lambda: read_gguf(path), ValueError)
+    assert re.search(message, str(error)) and str(path) in str(error), error
+
+
+def test_more_blocks_than_the_file_holds(tmp_path):
+    path = tmp_path / "blocks.gguf"
+    write_tiny(path, "llama", D=64, N=2, K=1, H=32, F=32, L=1, V=64)
+    _set_uint32(path, "llama.block_count", 4000)
+    with pytest.raises(ValueError, match=r"block_count=4000, but the file holds tensors of 1 blocks"):
+        read_gguf(path)
+
+
+def test_deeply_nested_metadata_arrays(tmp_path):
+    """Arrays of arrays 100,000 deep (1.2 MB) hit Python's recursion limit: a raw RecursionError."""
+    key = b"general.nested"
+    nested = struct.pack("<IQ", 9, 1) * 100_000 + struct.pack("<IQI", 4, 1, 7)  # ... an array of one uint32
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<I", 9) + nested)
+    with pytest.raises(ValueError, match=r"not a valid GGUF file: .*nests arrays more than 16 deep"):
         read_gguf_header(path)
 
 
