@@ -42,9 +42,17 @@ def _positive_int(text: str) -> int:
 
 
 def _directory(text: str) -> str:
-    """A directory to write into: new, or one that exists; not a file."""
+    """A directory to write into: new, or one that exists; not a file, nor under one."""
+    if not text:
+        raise argparse.ArgumentTypeError("the directory path is empty")
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    # the nearest existing ancestor decides whether the directory can be made
+    for parent in Path(text).parents:
+        if os.path.exists(parent):
+            if not os.path.isdir(parent):
+                raise argparse.ArgumentTypeError(f"{text} cannot be made: {parent} is not a directory")
+            break
     return text
 
 

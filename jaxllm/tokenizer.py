@@ -105,7 +105,13 @@ class Tokenizer:
         return self._specials.eos
 
     def token_to_id(self, token: str | None) -> int | None:
-        return None if token is None else self.backend.token_to_id(token)
+        """The id of the token spelled `token`; None when the vocabulary has no such token."""
+        if token is None:
+            return None
+        if not isinstance(token, str):
+            raise TypeError(f"token_to_id takes a token string, got {_described(token)}"
+                            f"{'; id_to_token maps an id to its token' if isinstance(token, int) else ''}")
+        return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(self._check_ids([token_id])[0])
@@ -115,6 +121,7 @@ class Tokenizer:
         `add_special_tokens` adds what the tokenizer's post-processor adds (BOS, for most llamas)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        _check_flag(add_special_tokens, "add_special_tokens")
         _check_utf8(text, "the text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -132,6 +139,12 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
+        # a str or bytes iterates as characters or byte values, a dict as its keys: never ids
+        if (isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable)
+                or getattr(ids, "ndim", None) == 0):
+            one = "; for one token, decode([token_id])" if _is_integer(ids) else ""
+            raise TypeError(f"decode takes a list of token ids, got {_described(ids)}{one}")
+        _check_flag(skip_special_tokens, "skip_special_tokens")
         return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def stream(self, skip_special_tokens: bool = False) -> "TextStream":
@@ -144,13 +157,20 @@ class Tokenizer:
         """The conversation rendered by the model's chat template, as transformers'
         `apply_chat_template(..., tokenize=False)` renders it. Extra keyword arguments reach the
         template (e.g. `enable_thinking=False` for Qwen3)."""
-        template = chat_template or self.chat_template
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise TypeError(f"chat_template must be a Jinja template string, got "
+                                f"{_described(chat_template)}")
+            if not chat_template:  # not "use the model's": None says that
+                raise ValueError("chat_template is an empty string; pass a template, or None for the "
+                                 "model's own")
+        template = self.chat_template if chat_template is None else chat_template
         if template is None:
             raise ValueError(f"{self.name} has no chat template; pass chat_template= or encode raw text")
-        if not messages:
-            raise ValueError("cannot apply a chat template to an empty conversation")
+        _check_flag(add_generation_prompt, "add_generation_prompt")
+        messages = _conversation(messages)  # a list once: an iterator would be spent by the checks
         for n, message in enumerate(messages):
-            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
+            if isinstance(message.get("content"), str):
                 _check_utf8(message["content"], f"message {n}'s content")
         specials = {"bos_token": self._specials.bos, "eos_token": self._specials.eos,
                     "unk_token": self._specials.unk, "pad_token": self._specials.pad}
@@ -159,9 +179,43 @@ class Tokenizer:
             return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                         tools=tools, **context)
         except ChatTemplateError as e:
-            if chat_template:  # the caller's own template: the message says enough
+            if chat_template is not None:  # the caller's own template: the message says enough
                 raise
             raise ChatTemplateError(f"{self.name}: {e}") from None  # the model file's template
+
+
+def _is_integer(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _described(value) -> str:
+    """A value named by its type, then shown, for an error message: `int 5`, `None`."""
+    return "None" if value is None else f"{type(value).__name__} {value!r:.80}"
+
+
+def _check_flag(value, name: str) -> None:
+    """Flags take True or False: a string "no" would count as true."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {_described(value)}")
+
+
+def _conversation(messages) -> list[Mapping]:
+    """The messages as a list of message dicts: any iterable of them, taken once."""
+    if messages is None or isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        one = " (one message? wrap it in a list)" if isinstance(messages, Mapping) else ""
+        raise TypeError(f"the conversation must be a list of message dicts, got "
+                        f"{_described(messages)}{one}")
+    messages = list(messages)
+    if not messages:
+        raise ValueError("cannot apply a chat template to an empty conversation")
+    for n, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"message {n} must be a dict with a role and content, got {_described(message)}")
+    return messages
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -186,6 +240,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        _check_flag(skip_special_tokens, "skip_special_tokens")
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
@@ -417,10 +472,18 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _present(path: Path) -> bool:
+    """Whether the file is there; something else under its name (a directory) is refused, not
+    passed over as if absent."""
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    return path.exists()
+
+
 def _chat_template(directory: Path, config: dict) -> str | None:
     """`chat_template.jinja` wins over tokenizer_config's entry, as in transformers."""
     jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
+    if _present(jinja_file):
         try:
             return jinja_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -437,7 +500,7 @@ def _chat_template(directory: Path, config: dict) -> str | None:
 
 def _from_hf_directory(directory: Path) -> Tokenizer:
     files = {name: directory / name for name in ("tokenizer.json", "tokenizer_config.json")}
-    missing = [str(p) for p in files.values() if not p.is_file()]
+    missing = [str(p) for p in files.values() if not _present(p)]
     if missing:
         hint = (" (only a slow SentencePiece tokenizer.model is present; convert it with transformers' "
                 "save_pretrained first)") if (directory / "tokenizer.model").is_file() else ""
@@ -470,7 +533,7 @@ def _from_hf_directory(directory: Path) -> Tokenizer:
         backend.post_processor = _template_processing(specials, False, False, backend)
     extra_eos = []
     for name in ("generation_config.json", "config.json"):
-        if (directory / name).is_file():
+        if _present(directory / name):
             eos = _read_json(directory / name).get("eos_token_id")
             eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
             if not all(type(i) is int for i in eos):

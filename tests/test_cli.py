@@ -122,6 +122,34 @@ def test_a_directory_flag_given_a_file_exits_2(argv, tmp_path, capsys):
     assert file.read_text() == "kept"
 
 
+@pytest.mark.parametrize("argv", [["generate", "hi", "--trace-dir", "{file}/sub"], ["convert", "{file}/sub"],
+                                  ["convert", "SRC", "{file}/a/b"], ["chat", "--trace-dir", "{file}/sub"]])
+def test_a_directory_flag_under_a_file_exits_2(argv, tmp_path, capsys):
+    """Refused as the flag is read, one line naming the path: not a NotADirectoryError traceback
+    from the trace or checkpoint writer after the model has loaded."""
+    file = tmp_path / "notes.txt"
+    file.write_text("kept")
+    with pytest.raises(SystemExit) as e:
+        cli.main([a.format(file=file) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cannot be made: {file} is not a directory" in err
+    assert "Traceback" not in err
+    assert file.read_text() == "kept"
+
+
+def test_a_model_whose_config_json_is_a_directory_exits_2(tiny_model, tmp_path, capsys):
+    """Named as it is, not as `config.json/config.json not found`."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "config.json").unlink()
+    (model / "config.json").mkdir()
+    assert cli.main(["generate", "hi", "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert f"{model / 'config.json'} is not a file" in err
+    assert "config.json/config.json" not in err
+
+
 def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "hi", "--max-new-tokens", "0"])

@@ -142,6 +142,37 @@ def test_chat_template_errors_are_clear(ours):
         ours.apply_chat_template([])
 
 
+def test_chat_template_takes_any_iterable_of_messages(ours):
+    """A generator or map is read once, whole: the checks must not spend it before the render."""
+    messages = CONVERSATIONS["system+user"]
+    expected = ours.apply_chat_template(messages)
+    assert "What is 2+2?" in expected
+    assert ours.apply_chat_template(m for m in messages) == expected
+    assert ours.apply_chat_template(map(dict, messages)) == expected
+    assert ours.apply_chat_template(tuple(messages)) == expected
+
+
+@pytest.mark.parametrize("messages, message", [
+    ({"role": "user", "content": "x"}, "conversation must be a list of message dicts, got dict"),
+    (None, "conversation must be a list of message dicts, got None"),
+    ("hello", "conversation must be a list of message dicts, got str 'hello'"),
+    (5, "conversation must be a list of message dicts, got int 5"),
+    (["hello"], "message 0 must be a dict with a role and content, got str 'hello'"),
+])
+def test_chat_template_names_a_conversation_of_the_wrong_shape(ours, messages, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        ours.apply_chat_template(messages)
+
+
+def test_an_empty_chat_template_is_refused(ours):
+    """"" is not None: it must not fall back to the model's template without a word."""
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match="chat_template is an empty string"):
+        ours.apply_chat_template(messages, chat_template="")
+    with pytest.raises(TypeError, match="chat_template must be a Jinja template string, got int 0"):
+        ours.apply_chat_template(messages, chat_template=0)
+
+
 def test_chat_template_nested_loops_trip_the_range_budget(ours):
     # 10**10 iterations without the budget; each range() alone is within jinja's own cap
     template = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
@@ -299,6 +330,31 @@ def test_ids_must_be_integers_in_range(ours):
     assert ours.id_to_token(np.int64(2)) == "<|im_end|>"
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda t: t.decode(None), TypeError, "decode takes a list of token ids, got None"),
+    (lambda t: t.decode(5), TypeError,
+     "decode takes a list of token ids, got int 5; for one token, decode([token_id])"),
+    (lambda t: t.decode(np.int64(5)), TypeError, "for one token, decode([token_id])"),
+    (lambda t: t.decode("hi"), TypeError, "decode takes a list of token ids, got str 'hi'"),
+    (lambda t: t.decode(b"hi"), TypeError, "decode takes a list of token ids, got bytes"),
+    (lambda t: t.decode([1, 2], skip_special_tokens="yes"), TypeError,
+     "skip_special_tokens must be True or False, got str 'yes'"),
+    (lambda t: t.stream(skip_special_tokens="yes"), TypeError, "skip_special_tokens must be True or False"),
+    (lambda t: t.encode("hi", add_special_tokens="no"), TypeError, "add_special_tokens must be True or False"),
+    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt="no"),
+     TypeError, "add_generation_prompt must be True or False, got str 'no'"),
+    (lambda t: t.token_to_id(5), TypeError, "token_to_id takes a token string, got int 5"),
+])
+def test_bad_arguments_are_named(ours, call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call(ours)
+
+
+def test_decode_still_takes_any_iterable_of_ids(ours):
+    assert ours.decode(i for i in [1, 2]) == ours.decode((1, 2)) == "<|im_start|><|im_end|>"
+    assert ours.token_to_id("<|im_end|>") == 2 and ours.token_to_id(None) is None
+
+
 def test_stream_flushes_an_incomplete_tail(ours):
     ids = ours.encode("a🙂")
     stream = ours.stream()
@@ -370,6 +426,18 @@ def test_hf_directory_missing_files(hf_dir, tmp_path):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer_config.json"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "chat_template.jinja",
+                                  "tokenizer_config.json"])
+def test_hf_directory_entry_that_is_a_directory(hf_dir, tmp_path, name):
+    """A directory where a file belongs is named, not passed over as if the file were absent."""
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / file).write_bytes((hf_dir / file).read_bytes())
+    (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / name).mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name} is not a file")):
         load_tokenizer(tmp_path)
 
 
