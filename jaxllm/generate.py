@@ -77,19 +77,34 @@ def pad_prompts(params: Params, ids) -> tuple[np.ndarray, np.ndarray, int]:
     Returns (tokens [B, Tb], start [B], longest prompt length). Validates every id.
     """
     cfg = params.config
-    if isinstance(ids, (list, tuple)) and (len(ids) == 0 or isinstance(ids[0], (list, tuple, np.ndarray))):
+    prompt = (list, tuple, np.ndarray, jax.Array)
+    if isinstance(ids, (list, tuple)) and (len(ids) == 0 or isinstance(ids[0], prompt)):
         rows = []
         for b, r in enumerate(ids):
-            row = np.asarray(r) if isinstance(r, (list, tuple, np.ndarray, jax.Array)) else None
+            try:
+                row = np.asarray(r) if isinstance(r, prompt) else None
+            except ValueError:  # numpy's "inhomogeneous shape"
+                raise ValueError(f"prompt {b} must be a flat list of token ids: it holds a nested list") \
+                    from None
             if row is None or row.ndim != 1:
                 got = type(r).__name__ if row is None else f"shape {row.shape}"
                 raise ValueError(f"prompt {b} must be a list of token ids, got {got}")
+            if isinstance(r, (list, tuple)) and row.dtype.kind in "iu":  # numpy made a True among ints 1
+                j = next((j for j, t in enumerate(r) if isinstance(t, (bool, np.bool_))), None)
+                if j is not None:
+                    raise ValueError(f"token ids must be integers, got {r[j]!r} (a bool) at position {j} "
+                                     f"of prompt {b}")
             rows.append(check_tokens(cfg, row) if row.size else np.zeros((0,), np.int32))
     else:
-        arr = np.asarray(ids)
+        try:
+            arr = np.asarray(ids)
+        except ValueError:  # numpy's "inhomogeneous shape"
+            raise ValueError("ids must be a [B, T] array or a list of token lists: it holds rows of "
+                             "different shapes or a nested list") from None
         if arr.ndim != 2:
             raise ValueError(f"ids must be a [B, T] array or a list of token lists, got shape {arr.shape}")
-        rows = list(check_tokens(cfg, arr))
+        # An empty array's dtype says nothing (numpy's is float64): its emptiness is the problem
+        rows = list(check_tokens(cfg, arr) if arr.size else np.zeros(arr.shape, np.int32))
     if not rows:
         raise ValueError("ids holds no prompt (batch of 0)")
     for b, r in enumerate(rows):
@@ -234,9 +249,13 @@ def _counted(compiled, params: Params, *signature) -> int:
 
 
 def _is_stop(token, stop_ids):
-    """Whether each token is one of stop_ids [n] (padded with -1): n compares, so the test fuses
-    with the ops around it where `jnp.isin`'s reduction is a kernel of its own."""
-    return reduce(operator.or_, [token == stop_ids[j] for j in range(stop_ids.shape[0])])
+    """Whether each token is one of stop_ids [n] (padded with -1). Up to STOP_SLOTS ids (the usual
+    case): n compares, so the test fuses with the ops around it where a reduction is a kernel of
+    its own. More: one compare against all of them and a reduction, since n compares compile in
+    time that grows with n (2000 stop ids: 38 s on a CPU)."""
+    if stop_ids.shape[0] <= STOP_SLOTS:
+        return reduce(operator.or_, [token == stop_ids[j] for j in range(stop_ids.shape[0])])
+    return jnp.any(token[..., None] == stop_ids, axis=-1)
 
 
 def _whole(name: str, value, low: int, high: int = INT32_MAX) -> int:
@@ -250,18 +269,19 @@ def _whole(name: str, value, low: int, high: int = INT32_MAX) -> int:
 
 
 def _request(params: Params, max_new_tokens, sampling: SamplingConfig, eos_token_ids, seed):
-    """(max_new_tokens, stop ids, seed) of a request as ints, its settings checked: a ValueError
-    names the first that is not what it must be."""
+    """(max_new_tokens, sampling, stop ids, seed) of a request as Python numbers, its settings
+    checked: a ValueError names the first that is not what it must be."""
     max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1)
-    sampling.validate()
+    sampling = sampling.validate()
     if eos_token_ids is None:
         stops = params.config.eos_token_ids
-    elif isinstance(eos_token_ids, (list, tuple, set, np.ndarray, jax.Array)):
+    elif isinstance(eos_token_ids, (list, tuple, set)) or \
+            isinstance(eos_token_ids, (np.ndarray, jax.Array)) and eos_token_ids.ndim == 1:
         # int32 like the ids; a negative one never matches (configs write -1 for "none")
         stops = tuple(_whole("a stop id (eos_token_ids)", t, -INT32_MAX - 1) for t in eos_token_ids)
     else:
         raise ValueError(f"eos_token_ids must be a list of token ids or None, got {eos_token_ids!r}")
-    return max_new_tokens, stops, _whole("seed", seed, -2 ** 63, 2 ** 63 - 1)
+    return max_new_tokens, sampling, stops, _whole("seed", seed, -2 ** 63, 2 ** 63 - 1)
 
 
 def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None,
@@ -290,7 +310,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales (default: the model dtype).
     """
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    max_new_tokens, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
+    max_new_tokens, sampling, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
         return (params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed),
@@ -329,9 +349,11 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
            eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced, the stop token included."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    max_new_tokens, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
+    max_new_tokens, sampling, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
     if not isinstance(ids, (list, tuple, np.ndarray, jax.Array)):
         raise ValueError(f"ids must be one prompt's token ids, a list, got {type(ids).__name__}")
+    if isinstance(ids, (np.ndarray, jax.Array)) and ids.ndim != 1:
+        raise ValueError(f"ids must be one prompt's token ids, a list, got an array of shape {ids.shape}")
     run = jitted_step()
 
     def new_cache(start, cache_length):

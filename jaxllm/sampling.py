@@ -10,21 +10,44 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.env import env_number
 
 
 INT32_MAX = 2 ** 31 - 1
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def number(name: str, value) -> float:
-    """`value` as a float, or a ValueError naming `name` where it is not a number (None, a string)."""
+    """`value` as a float, or a ValueError naming `name` where it is not one number: None, a
+    string, a bool (True is no temperature or seed), an array of more than a scalar."""
     if isinstance(value, (str, bytes)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a number, got {value!r} (a bool)")
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        if value.ndim != 0:
+            raise ValueError(f"{name} must be a number, got an array of shape {value.shape}")
+        if value.dtype == bool:
+            raise ValueError(f"{name} must be a number, got {value!r} (a bool)")
+        value = value.item()  # a JAX or numpy scalar: a Python number from here on
     try:
         return float(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _float32(name: str, value: float, rule: str) -> float:
+    """`value` where float32 holds it as a normal number (or 0): 1e39 would be inf there, 1e-46
+    zero (a penalty divides by it); else a ValueError naming it."""
+    with np.errstate(over="ignore", under="ignore"):
+        held = float(np.float32(value))
+    if value != 0 and not (math.isfinite(held) and abs(held) >= FLOAT32_TINY):
+        raise ValueError(f"{name} must be {rule}, a normal float32 number (magnitude in "
+                         f"[{FLOAT32_TINY:.7g}, {FLOAT32_MAX:.7g}]), got {value}")
+    return value
 
 
 class SamplingConfig(NamedTuple):
@@ -36,21 +59,10 @@ class SamplingConfig(NamedTuple):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
 
-    def validate(self):
-        for name, value in self._asdict().items():
-            number(name, value)
-        if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
-            raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0 <= self.top_k <= INT32_MAX and int(self.top_k) == self.top_k):
-            raise ValueError(f"top_k must be a whole number >= 0 (0 disables it) and at most {INT32_MAX}, "
-                             f"got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
-        return self
+    def validate(self) -> "SamplingConfig":
+        """The settings as Python numbers (JAX and numpy scalars taken), checked: a ValueError
+        names the first that is not what it must be."""
+        return SamplingConfig(**{name: check_setting(name, value) for name, value in self._asdict().items()})
 
     def static(self) -> tuple[bool, bool, bool, bool, bool]:
         """(greedy, top_k on, top_p on, min_p on, penalty on)."""
@@ -60,6 +72,33 @@ class SamplingConfig(NamedTuple):
     def values(self):
         return (jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p),
                 jnp.float32(self.min_p), jnp.float32(self.repetition_penalty))
+
+
+def check_setting(name: str, value):
+    """One sampling setting (a field of SamplingConfig) as a Python number, checked."""
+    x = number(name, value)
+    if name == "temperature":
+        if not 0 <= x < math.inf:  # NaN fails every comparison
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {value}")
+        return _float32(name, x, ">= 0 (0 is greedy)")
+    if name == "top_k":
+        if not (0 <= x <= INT32_MAX and int(x) == x):
+            raise ValueError(f"top_k must be a whole number >= 0 (0 disables it) and at most {INT32_MAX}, "
+                             f"got {value}")
+        return int(x)
+    if name == "top_p":
+        if not 0 < x <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {value}")
+        return _float32(name, x, "in (0, 1]")
+    if name == "min_p":
+        if not 0 <= x <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {value}")
+        return _float32(name, x, "in [0, 1]")
+    if name == "repetition_penalty":
+        if not 0 < x < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {value}")
+        return _float32(name, x, "> 0")
+    raise KeyError(name)
 
 
 def apply_repetition_penalty(logits_BV, seen_BV, penalty):
@@ -121,7 +160,15 @@ def argmax(logits_BV):
 def sample(logits_BV, key, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, *,
            greedy: bool | None = None, use_top_k: bool | None = None, use_top_p: bool | None = None,
            use_min_p: bool | None = None):
-    """Next token ids [B] from float32 logits [B, V]. Static flags default from concrete values."""
+    """Next token ids [B] from float32 logits [B, V]. Static flags default from concrete values.
+
+    Concrete settings are checked as generate checks them; traced ones (inside a jit) cannot be.
+    """
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    for name, value in settings.items():
+        if not isinstance(value, jax.core.Tracer):
+            settings[name] = check_setting(name, value)
+    temperature, top_k, top_p, min_p = settings.values()
     greedy = (temperature == 0) if greedy is None else greedy
     if greedy:
         return argmax(logits_BV)

@@ -276,3 +276,92 @@ def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkey
     monkeypatch.setattr(gen, "_core", lambda *a: one_row)
     got = jaxllm.generate(llama.params, prompt, max_new_tokens=8, eos_token_ids=[]).tokens
     np.testing.assert_array_equal(got, want)
+
+
+def test_jax_and_numpy_scalars_are_taken_as_sampling_settings(llama):
+    """A JAX or numpy scalar is a number like any other (a JAX one was unhashable in the static
+    flags); an array of more than one value is refused by name."""
+    prompt = random_tokens((1, 12), seed=3)
+    want = jaxllm.generate(llama.params, prompt, seed=5, **SAMPLED).tokens
+    settings = dict(SAMPLED, temperature=jnp.float32(1.0), top_k=jnp.int32(20), top_p=jnp.float32(1.0),
+                    min_p=np.float32(0.0), repetition_penalty=jnp.float32(1.0))
+    np.testing.assert_array_equal(jaxllm.generate(llama.params, prompt, seed=5, **settings).tokens, want)
+    assert list(jaxllm.stream(llama.params, prompt[0].tolist(), seed=5, **settings)) == np.asarray(want)[0].tolist()
+    greedy = jaxllm.generate(llama.params, prompt, max_new_tokens=4, temperature=0.0).tokens
+    np.testing.assert_array_equal(
+        jaxllm.generate(llama.params, prompt, max_new_tokens=4, temperature=jnp.float32(0)).tokens, greedy)
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        with pytest.raises(ValueError, match=rf"{name} must be a number, got an array of shape \(2,\)"):
+            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([0.5, 0.5])})
+
+
+def test_rows_given_as_jax_arrays_are_a_ragged_batch(llama):
+    """Prompts of different lengths as JAX arrays are padded like lists or numpy arrays; a nested
+    list is named, not left to numpy's "inhomogeneous shape"."""
+    prompts = [random_tokens(n, seed=n) for n in (3, 7)]
+    want = jaxllm.generate(llama.params, [p.tolist() for p in prompts], max_new_tokens=4).tokens
+    got = jaxllm.generate(llama.params, [jnp.asarray(p) for p in prompts], max_new_tokens=4).tokens
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"prompt 0 must be a flat list of token ids: it holds a nested list"):
+        jaxllm.generate(llama.params, [[5, [6]]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"ids must be a \[B, T\] array or a list of token lists"):
+        jaxllm.generate(llama.params, [5, [6]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("stop", [5, np.array(5), jnp.array(5)], ids=["int", "numpy 0-d", "jax 0-d"])
+def test_a_0d_array_is_refused_where_a_plain_int_is(llama, stop):
+    with pytest.raises(ValueError, match=r"eos_token_ids must be a list of token ids or None"):
+        jaxllm.generate(llama.params, [[5, 6, 7]], max_new_tokens=4, eos_token_ids=stop)
+    with pytest.raises(ValueError, match=r"ids must be one prompt's token ids, a list"):
+        next(jaxllm.stream(llama.params, stop, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([[]]), r"prompt 0 is empty"),  # numpy's empty array is float64
+    (np.zeros((0, 3)), r"batch of 0"),
+])
+def test_an_empty_array_is_reported_as_empty_not_by_its_dtype(llama, ids, message):
+    with pytest.raises(ValueError, match=message):
+        jaxllm.generate(llama.params, ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=1e39), r"temperature must be .*a normal float32 number.*got 1e\+39"),  # inf there
+    (dict(temperature=1e-40), r"temperature must be .*a normal float32 number.*got 1e-40"),
+    (dict(repetition_penalty=1e-46), r"repetition_penalty must be .*normal float32.*got 1e-46"),  # 0 there
+    (dict(top_p=1e-46), r"top_p must be .*normal float32.*got 1e-46"),
+    (dict(min_p=1e-40), r"min_p must be .*normal float32.*got 1e-40"),
+    (dict(max_new_tokens=True), r"max_new_tokens must be a number, got True \(a bool\)"),
+    (dict(seed=True), r"seed must be a number, got True \(a bool\)"),
+    (dict(top_k=True), r"top_k must be a number, got True \(a bool\)"),
+    (dict(temperature=np.True_), r"temperature must be a number, got np.True_ \(a bool\)"),
+    (dict(eos_token_ids=[True]), r"stop id \(eos_token_ids\) must be a number, got True \(a bool\)"),
+])
+def test_values_float32_cannot_hold_and_bools_are_refused(llama, kwargs, message):
+    kwargs = dict(max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        jaxllm.generate(llama.params, [[5, 6, 7]], **kwargs)
+    with pytest.raises(ValueError, match=message):
+        next(jaxllm.stream(llama.params, [5, 6, 7], **kwargs))
+
+
+def test_a_bool_is_not_a_token_id(llama):
+    with pytest.raises(ValueError, match=r"token ids must be integers, got True \(a bool\) at position 1 of prompt 0"):
+        jaxllm.generate(llama.params, [[5, True]], max_new_tokens=4)  # numpy would make it token 1
+
+
+def test_a_long_stop_list_is_one_comparison(llama, free_run):
+    """A stop test's compares do not grow with the list (one each, unrolled, compiled in time that
+    grew with it: 2000 ids took 38 s); negative ids still never match and the row stops at its id."""
+    gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+    tokens = jnp.zeros((2, 16), jnp.int32)
+
+    def compares(n):
+        return jax.jit(gen._is_stop).lower(tokens, gen._stop_array(list(range(n)))).as_text().count("compare")
+    assert compares(2000) == compares(9) <= gen.STOP_SLOTS
+    prompt, free = free_run
+    k, x = _first_new(free[0], 3)
+    stops = list(range(-1000, 0)) + [x] + list(range(2 ** 20, 2 ** 20 + 1000))
+    out = jaxllm.generate(llama.params, prompt[:1], max_new_tokens=NEW, eos_token_ids=stops)
+    assert int(out.lengths[0]) == k + 1
+    np.testing.assert_array_equal(out.tokens[0, :k + 1], free[0, :k + 1])

@@ -207,3 +207,25 @@ def test_repetition_penalty_matches_transformers(penalty):
     np.testing.assert_array_equal(got[~seen], logits[~seen])  # unseen tokens untouched
     if penalty > 1:  # seen tokens lose, whatever their sign
         assert (got[seen] < logits[seen]).all()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), r"temperature must be >= 0"),
+    (dict(temperature=1.0, top_p=2), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_k=-1), r"top_k must be .*>= 0"),
+    (dict(temperature=1.0, min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(temperature=jnp.float32(np.inf)), r"temperature must be >= 0 .*finite"),
+    (dict(temperature=1e39), r"temperature must be .*normal float32"),
+    (dict(temperature=True), r"temperature must be a number, got True \(a bool\)"),
+])
+def test_sample_checks_its_settings_as_generate_does(kwargs, message):
+    logits = jnp.zeros((1, V))
+    with pytest.raises(ValueError, match=message):
+        jaxllm.sample(logits, jax.random.key(0), **kwargs)
+
+
+def test_sample_takes_jax_scalars_as_settings():
+    logits = jnp.asarray(np.random.default_rng(4).normal(0, 2.0, (4, V)), jnp.float32)
+    want = jaxllm.sample(logits, jax.random.key(3), 0.7, 5, 0.9, 0.0)
+    got = jaxllm.sample(logits, jax.random.key(3), jnp.float32(0.7), jnp.int32(5), jnp.float32(0.9), np.float32(0))
+    np.testing.assert_array_equal(got, want)
