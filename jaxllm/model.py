@@ -503,9 +503,24 @@ def jitted_step():
     return _step_jit[backend]
 
 
+def _holds_bool(x) -> bool:
+    """Whether nested lists or tuples hold a bool anywhere."""
+    if isinstance(x, (list, tuple)):
+        return any(_holds_bool(t) for t in x)
+    return isinstance(x, (bool, np.bool_))
+
+
 def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
     """Host-side validation of token ids: integers inside [0, V); returned as int32."""
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except ValueError:  # numpy's "inhomogeneous shape"
+        raise ValueError("token ids must be a rectangular array: the rows differ in length or hold "
+                         "nested lists (generate pads rows of different lengths)") from None
+    if arr.size == 0:  # numpy makes an empty list float64: its dtype says nothing
+        return arr.astype(np.int32)
+    if arr.dtype.kind in "iuO" and _holds_bool(tokens):  # numpy made a True among ints 1
+        raise ValueError("token ids must be integers, got a bool among them (True would be token 1)")
     if arr.dtype == object and all(isinstance(t, int) and not isinstance(t, bool) for t in arr.flat):
         # Python ints too large for any integer dtype: name one rather than the dtype
         raise ValueError(f"token id {max(arr.flat, key=abs)} out of range: the vocabulary has "

@@ -114,7 +114,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.is_file():
         raise UsageError(f"no text file at {args.file}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     params, tok = load_model(args)
     ids = tok.encode(text, add_special_tokens=True)[:args.max_tokens]
     result = perplexity(params, ids, args.context, args.batch)

@@ -95,6 +95,27 @@ def test_perplexity_refuses_ids_it_would_wrap_or_flatten(llama):
         perplexity(llama.params, [[5, 6, 7], [8, 9, 10]], context=4)
     with pytest.raises(ValueError, match=r"must be integers"):
         perplexity(llama.params, [5.5, 6.5, 7.5], context=4)
+    with pytest.raises(ValueError, match=r"the text has 0 token\(s\)"):  # not "got dtype float64"
+        perplexity(llama.params, [], context=4)
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([[5, 6], [7]], r"rows differ in length or hold nested lists"),  # was numpy's "inhomogeneous shape"
+    ([[5, [6]]], r"rows differ in length or hold nested lists"),
+    ([[]], r"non-empty \[B, T\] array, got shape \(1, 0\)"),  # was "got dtype float64"
+    ([[True, 5]], r"got a bool among them"),  # True was token 1
+])
+def test_forward_names_tokens_it_cannot_take(llama, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        jaxllm.forward(llama.params, tokens)
+
+
+def test_cli_perplexity_names_a_file_that_is_not_utf8(tmp_path, capsys):
+    from jaxllm import cli
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    assert cli.main(["perplexity", str(path)]) == 2
+    assert f"{path} is not UTF-8 text (invalid continuation byte at byte 3)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype, message", [
