@@ -17,6 +17,7 @@ import numpy as np
 # model_type -> the family features transformers gives it. Anything else is refused by name.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # rms_norm_eps past it is infinity in the norm
 # Far past any published model (126 layers, 512 experts): a damaged count is refused before a
 # name or flag is made for each layer or expert, which would take minutes or all the memory.
 MAX_LAYERS = 4096
@@ -151,7 +152,7 @@ class ModelConfig:
             _fix(self, name, _as_int(name, getattr(self, name), 1, MAX_LAYERS if name == "num_layers" else INT32_MAX))
         for name in ("ffn_size", "num_experts", "experts_per_token", "moe_ffn_size"):
             _fix(self, name, _as_int(name, getattr(self, name), 0, MAX_EXPERTS if name == "num_experts" else INT32_MAX))
-        _fix(self, "rms_norm_eps", _as_float("rms_norm_eps", self.rms_norm_eps, least=0.0))
+        _fix(self, "rms_norm_eps", _as_float("rms_norm_eps", self.rms_norm_eps, least=0.0, most=FLOAT32_MAX))
         if self.sliding_window is not None:
             _fix(self, "sliding_window", _as_int("sliding_window", self.sliding_window, 1))
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "norm_topk_prob"):
@@ -180,6 +181,7 @@ class ModelConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.experts_per_token} must be between 1 and "
                              f"the expert count {self.num_experts}")
+        _check_rope(self)
 
     @property
     def q_per_kv(self) -> int:  # G
@@ -387,7 +389,7 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         head_dim=head_dim,
         ffn_size=_int(c, "intermediate_size", 0, least=0),
         max_position_embeddings=_int(c, "max_position_embeddings", 2048),
-        rms_norm_eps=_float(c, "rms_norm_eps", 1e-6, least=0.0),
+        rms_norm_eps=_float(c, "rms_norm_eps", 1e-6, least=0.0, most=FLOAT32_MAX),
         rope=_rope_from_hf(c),
         tie_word_embeddings=_bool(c, "tie_word_embeddings", False),
         qkv_bias=model_type == "qwen2" or attention_bias,
@@ -468,6 +470,25 @@ def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[n
     elif r.rope_type == "yarn":
         inv_freq, scale = _yarn(r, dim, config.max_position_embeddings)
     return inv_freq.astype(np.float32), float(scale)
+
+
+def _check_rope(config: ModelConfig) -> None:
+    """The rope parameters must give float32 frequencies and a scale that are finite numbers: each
+    is checked alone, but together (theta 1e-50, a factor of 1e-50, attention_factor 1e39) they
+    overflow, and the logits would be NaN."""
+    r = config.rope
+    try:
+        with np.errstate(all="ignore"):
+            inv_freq, scale = rope_frequencies(config)
+            finite = bool(np.isfinite(inv_freq).all()) and math.isfinite(scale) and scale > 0 \
+                and math.isfinite(float(np.float32(scale)))
+    except (ArithmeticError, ValueError) as e:  # math.log of 0, a division by zero, an overflow
+        finite, problem = False, f" ({type(e).__name__}: {e})"
+    else:
+        problem = ""
+    if not finite:
+        raise ValueError(f"{r.rope_type} rope with rope_theta {r.theta}, factor {r.factor} (and its other "
+                         f"parameters) gives frequencies or a scale that float32 cannot hold{problem}")
 
 
 def _yarn(r: RopeConfig, dim: int, max_pos: int) -> tuple[np.ndarray, float]:

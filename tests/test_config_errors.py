@@ -5,6 +5,7 @@ file and the key: never NaN logits, a later IndexError or a raw KeyError/TypeErr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -93,6 +94,16 @@ BAD_CONFIGS = [
     ("eos_past_int32", lambda c: c | dict(eos_token_id=2**70), r"eos_token_id must be at most 2147483647"),
     ("pad_past_int32", lambda c: c | dict(pad_token_id=2**40), r"pad_token_id must be at most 2147483647"),
     ("window_past_int32", lambda c: c | dict(sliding_window=10**12), r"sliding_window must be at most 2147483647"),
+    # each value fine alone, but the frequencies or scale they make overflow float32: NaN logits before
+    ("theta_tiny", lambda c: _rope(c, rope_theta=1e-50), r"rope_theta 1e-50.* float32 cannot hold"),
+    ("linear_factor_tiny", lambda c: _rope(c, rope_type="linear", factor=1e-50), r"factor 1e-50.* float32 cannot"),
+    ("yarn_attention_factor_huge", lambda c: _rope(c, rope_type="yarn", factor=2.0, attention_factor=1e39),
+     r"yarn rope .* float32 cannot hold"),
+    ("yarn_beta_fast_tiny", lambda c: _rope(c, rope_type="yarn", factor=2.0, beta_fast=1e-320),
+     r"float32 cannot hold \(OverflowError"),  # was a raw OverflowError
+    ("yarn_mscale_zero_division", lambda c: _rope(c, rope_type="yarn", factor=math.e, mscale=1, mscale_all_dim=-10),
+     r"float32 cannot hold \(ZeroDivisionError"),  # was a raw ZeroDivisionError
+    ("eps_huge", lambda c: c | dict(rms_norm_eps=1e300), r"rms_norm_eps must be a finite number .*<= 3\.40"),
 ]
 
 
