@@ -24,7 +24,7 @@ from jaxllm import memory
 from jaxllm.cache import init_cache, is_int8
 from jaxllm.memory import check_fit
 from jaxllm.model import AUTOTUNE_OPTIONS, check_kv_int8, check_tokens, jitted_step, rotation_table, step
-from jaxllm.params import Params
+from jaxllm.params import Params, require_params
 from jaxllm.quant import is_quantized
 from jaxllm.sampling import INT32_MAX, SamplingConfig, apply_repetition_penalty, number, sample
 from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
@@ -310,7 +310,8 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales (default: the model dtype).
     """
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    max_new_tokens, sampling, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
+    max_new_tokens, sampling, stops, seed = _request(require_params(params), max_new_tokens, sampling,
+                                                     eos_token_ids, seed)
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
         return (params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed),
@@ -349,7 +350,8 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
            eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced, the stop token included."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    max_new_tokens, sampling, stops, seed = _request(params, max_new_tokens, sampling, eos_token_ids, seed)
+    max_new_tokens, sampling, stops, seed = _request(require_params(params), max_new_tokens, sampling,
+                                                     eos_token_ids, seed)
     if not isinstance(ids, (list, tuple, np.ndarray, jax.Array)):
         raise ValueError(f"ids must be one prompt's token ids, a list, got {type(ids).__name__}")
     if isinstance(ids, (np.ndarray, jax.Array)) and ids.ndim != 1:

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
@@ -40,6 +41,9 @@ def _progress(total: int, desc: str):
     return None, lambda: None
 
 
+RUN_DTYPES = tuple(np.dtype(jnp.dtype(d)) for d in ("float32", "bfloat16", "float16"))
+
+
 def _float_dtype(dtype) -> np.dtype:
     """`dtype` as a floating dtype (the weights', activations' and cache's), or a ValueError."""
     try:
@@ -48,6 +52,9 @@ def _float_dtype(dtype) -> np.dtype:
         raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating type (float32, bfloat16 or float16), got {dtype}")
+    if dtype not in RUN_DTYPES:  # float64 became float32 without x64; float8 ran, with other tokens
+        raise ValueError(f"dtype {dtype} is not one jaxllm runs a model in: use float32, bfloat16 or "
+                         "float16 (for 8-bit weights, quant='int8')")
     return dtype
 
 
@@ -63,6 +70,12 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     With a `mesh` (see `sharding.make_mesh`) each device receives only its shard, converted from
     the checkpoint one tensor at a time; `expert_parallel` splits MoE experts instead of their F.
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (or None for the default model), got "
+                        f"{type(path).__name__} {path!r:.80}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxllm.sharding.make_mesh), got "
+                        f"{type(mesh).__name__} {mesh!r:.80}")
     shard = None if mesh is None else dict(mesh=mesh, expert_parallel=expert_parallel)
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")

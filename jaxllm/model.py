@@ -20,7 +20,7 @@ from jaxllm import sharding
 from jaxllm.cache import KVCache, init_cache
 from jaxllm.config import ModelConfig, rope_frequencies
 from jaxllm.memory import check_fit
-from jaxllm.params import Layer, Params
+from jaxllm.params import Layer, Params, require_params
 from jaxllm.quant import QuantizedWeight
 
 
@@ -536,7 +536,7 @@ def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
 
 def forward(params: Params, tokens_BT) -> jax.Array:
     """Logits [B, T, V] (float32) of whole sequences, no cache kept (scoring, tests)."""
-    tokens = check_tokens(params.config, tokens_BT)
+    tokens = check_tokens(require_params(params).config, tokens_BT)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be a non-empty [B, T] array, got shape {tokens.shape}")
     if tokens.shape[1] > params.config.max_position_embeddings:

@@ -229,6 +229,14 @@ def param_count(params: Params) -> int:
     return sum(int(np.prod(x.shape)) for x in weight_leaves(params))
 
 
+def require_params(params) -> Params:
+    """`params` where it is a model's Params, else a TypeError saying what it is (a path, say)."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be a model's Params, as jaxllm.load returns them, got "
+                        f"{type(params).__name__} {params!r:.80}")
+    return params
+
+
 def leaf_paths(params) -> list[str]:
     """The `_assemble` path of each leaf of a Params tree, in leaf order ("layers.3.wqkv",
     "embed")."""

@@ -35,7 +35,7 @@ def test_int8_checkpoint_restores_the_same_params_in_far_fewer_bytes(tmp_path):
     # (measured: 121 MB against 333 MB), so the bound is looser than the 4x of the raw bytes.
     assert _du(q8 / "params") < 0.5 * _du(f32 / "params")
     with pytest.raises(ValueError, match="int8 weights"):
-        jaxllm.load(q8, mesh=object())
+        jaxllm.load(q8, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
 
 
 def test_converted_directory_carries_the_tokenizer(tmp_path):

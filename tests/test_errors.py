@@ -122,10 +122,27 @@ def test_cli_perplexity_names_a_file_that_is_not_utf8(tmp_path, capsys):
     ("int8", r"dtype must be a floating type .*got int8"),  # the weights' dtype; int8 is quant="int8"
     ("bool", r"dtype must be a floating type"),
     ("floatx", r"unknown dtype 'floatx'"),
+    ("float64", r"dtype float64 is not one jaxllm runs a model in"),  # silently float32 without x64
+    ("float8_e4m3fn", r"dtype float8_e4m3fn is not one jaxllm runs a model in.*quant='int8'"),  # ran, other tokens
 ])
 def test_load_refuses_a_dtype_the_model_cannot_run_in(llama, dtype, message):
     with pytest.raises(ValueError, match=message):
         jaxllm.load(llama.path, dtype=dtype)
+
+
+def test_arguments_of_the_wrong_kind_are_named(llama):
+    """Not AttributeErrors from deep inside: a path that is not one, a mesh that is not a Mesh, a
+    path where the params go."""
+    with pytest.raises(TypeError, match=r"path must be a str or os.PathLike .*got int 5"):
+        jaxllm.load(5)
+    with pytest.raises(TypeError, match=r"path must be a str or os.PathLike .*got bytes"):
+        jaxllm.load(str(llama.path).encode())
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got str 'tp'"):
+        jaxllm.load(llama.path, dtype="float32", mesh="tp")
+    for call in (lambda: jaxllm.generate(str(llama.path), [[5, 6]]), lambda: next(jaxllm.stream(llama.path, [5, 6])),
+                 lambda: jaxllm.forward(str(llama.path), [[5, 6]])):
+        with pytest.raises(TypeError, match=r"params must be a model's Params, as jaxllm.load returns them, got"):
+            call()
 
 
 @pytest.mark.parametrize("name, value, message", [
