@@ -26,7 +26,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def read_config(path: Path) -> ModelConfig:
     """ModelConfig from config.json, with stop ids from generation_config.json when present."""
-    cfg = ModelConfig.from_hf(path / "config.json")
+    cfg = ModelConfig.from_hf(path)  # the directory: a config.json that is itself one is named as such
     gen = path / "generation_config.json"
     if gen.exists():
         eos = read_json_object(gen).get("eos_token_id")

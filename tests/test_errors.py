@@ -293,6 +293,13 @@ def test_missing_config_json(checkpoint):
         jaxllm.load(checkpoint, dtype="float32")
 
 
+def test_config_json_that_is_a_directory(checkpoint):
+    (checkpoint / "config.json").unlink()
+    (checkpoint / "config.json").mkdir()  # was reported as config.json/config.json not found
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(checkpoint / 'config.json'))} is not a regular file"):
+        jaxllm.load(checkpoint, dtype="float32")
+
+
 def test_malformed_config_json(checkpoint):
     (checkpoint / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
