@@ -42,8 +42,9 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16,
     (row, KV head, slot): half the bytes a decode step reads from the cache. Default: `dtype`.
     """
     for name, n in (("batch", batch), ("length", length)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            raise ValueError(f"cache {name} must be a whole number >= 1, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= 2 ** 31 - 1:
+            raise ValueError(f"cache {name} must be a whole number >= 1 and at most 2**31 - 1 (slots and rows "
+                             f"are int32), got {n!r}")
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"cache dtype must be a floating type (kv_dtype='int8' for an int8 cache), got {dtype}")
     L = config.num_layers

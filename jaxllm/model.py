@@ -553,7 +553,13 @@ def check_kv_int8(params: Params, int8: bool) -> None:
 
 
 def _check_room(cache: KVCache, new: int, params: Params) -> int:
-    """The cache's cursor, after checking that `new` more tokens fit."""
+    """The cache's cursor, after checking that it is this model's and that `new` more tokens fit."""
+    cfg = require_params(params).config
+    made = (len(cache.k), cache.k[0].shape[1], cache.k[0].shape[3]) if cache.k else (0, 0, 0)
+    if made != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+        raise ValueError(f"the cache was made for another model: {made[0]} layers of {made[1]} KV heads of "
+                         f"{made[2]} values, where this model has {cfg.num_layers} layers of "
+                         f"{cfg.num_kv_heads} KV heads of {cfg.head_dim}")
     check_kv_int8(params, cache.k_scale is not None)
     cursor = int(cache.cursor)
     if cursor + new > cache.length:
@@ -569,7 +575,7 @@ def _check_room(cache: KVCache, new: int, params: Params) -> int:
 
 def prefill(params: Params, tokens_BT, cache: KVCache):
     """Write a [B, T] block of prompt tokens (left-padded to cache.start); logits [B, V] of the last."""
-    tokens = check_tokens(params.config, tokens_BT)
+    tokens = check_tokens(require_params(params).config, tokens_BT)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != cache.batch:
         raise ValueError(f"prefill needs [B={cache.batch}, T>0] tokens, got shape {tokens.shape}")
     fresh = _check_room(cache, tokens.shape[1], params) == 0
@@ -581,7 +587,7 @@ def decode_step(params: Params, tokens_B, cache: KVCache, rotation=None):
 
     `rotation`: `rotation_table(params.config, cache.length)`, made once by a loop of steps
     (unsharded params), which spares each step making it."""
-    tokens = check_tokens(params.config, tokens_B)
+    tokens = check_tokens(require_params(params).config, tokens_B)
     if tokens.shape != (cache.batch,):
         raise ValueError(f"decode_step needs [B={cache.batch}] tokens, got shape {tokens.shape}")
     _check_room(cache, 1, params)

@@ -1,5 +1,6 @@
 """Bad input gets a ValueError that names the problem: never a wrap-around, NaN, hang or unpickle."""
 
+import dataclasses
 import json
 import pickle
 import re
@@ -160,13 +161,22 @@ def test_a_tuning_variable_that_does_not_parse_is_named(name, value, message):
 
 def test_low_level_calls_check_the_cache_and_the_context(llama):
     params, cfg = llama.params, llama.params.config
-    for kwargs, message in [(dict(batch=-1, length=8), r"cache batch must be a whole number >= 1, got -1"),
+    for kwargs, message in [(dict(batch=-1, length=8), r"cache batch must be a whole number >= 1 .*got -1"),
                             (dict(batch=1, length=2.5), r"cache length must be a whole number"),
                             (dict(batch=1, length=8, dtype="int32"), r"cache dtype must be a floating type"),
                             (dict(batch=2, length=8, start=[0]), r"start must be 2 whole numbers in \[0, 8\)"),
-                            (dict(batch=2, length=8, start=[0, -1]), r"start must be 2 whole numbers")]:
+                            (dict(batch=2, length=8, start=[0, -1]), r"start must be 2 whole numbers"),
+                            # an int32 slot count, not XLA's RESOURCE_EXHAUSTED for a 10**12-slot cache
+                            (dict(batch=1, length=10**12), r"cache length must be .*at most 2\*\*31 - 1")]:
         with pytest.raises(ValueError, match=message):
             jaxllm.init_cache(cfg, **kwargs)
+    # A cache made for another model (here: one layer fewer) is named, not an IndexError in the step
+    other = jaxllm.init_cache(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), 1, 8, params.dtype)
+    message = rf"the cache was made for another model: {cfg.num_layers - 1} layers of"
+    with pytest.raises(ValueError, match=message):
+        jaxllm.prefill(params, random_tokens((1, 4)), other)
+    with pytest.raises(ValueError, match=message):
+        jaxllm.decode_step(params, [5], other)
     # A cache longer than the model's context may hold a prompt; positions past it are refused.
     cache = jaxllm.init_cache(cfg, 1, MAX_POS + 8, params.dtype)
     with pytest.raises(ValueError, match=rf"reaches position {MAX_POS + 3}, past the model's context of {MAX_POS}"):
