@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jaxllm.env import env_number
@@ -140,19 +141,30 @@ def filter_logits(logits_BV, top_k, top_p, min_p, use_top_k: bool, use_top_p: bo
 ARGMAX_BLOCKS = env_number("JAXLLM_ARGMAX_BLOCKS", "128")
 
 
+def _order_keys(x):
+    """int32 keys that order as the floats do, NaN above +inf and -0.0 equal to 0.0. XLA's float
+    argmax on a GPU picks any of several NaNs (its comparator prefers a NaN operand whatever its
+    index); over these keys every tie, NaNs included, goes to the first index, as numpy's does."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)  # on the bits alone: no float compare flushes subnormals
+    bits = jnp.where(bits == jnp.int32(-INT32_MAX - 1), 0, bits)  # -0.0 is 0.0
+    keys = jnp.where(bits < 0, bits ^ jnp.int32(INT32_MAX), bits)  # negative floats: order reversed
+    return jnp.where(bits & jnp.int32(INT32_MAX) > jnp.int32(0x7F800000), jnp.int32(INT32_MAX), keys)  # NaN
+
+
 def argmax(logits_BV):
-    """jnp.argmax over the last axis (the first of equal maxima; a NaN counts as the largest), as
-    the largest value and its index in each of up to ARGMAX_BLOCKS blocks, then the first block
-    holding the largest of those."""
+    """jnp.argmax over the last axis (the first of equal maxima; a NaN counts as the largest, the
+    first of several NaNs on every backend), as the largest value and its index in each of up to
+    ARGMAX_BLOCKS blocks, then the first block holding the largest of those."""
     B, V = logits_BV.shape
     P = ARGMAX_BLOCKS
     while P > 1 and V % P:
         P //= 2
+    logits_BV = _order_keys(logits_BV)
     if P < 8:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     x_BPW = logits_BV.reshape(B, P, V // P)
     i_BP = jnp.argmax(x_BPW, axis=-1).astype(jnp.int32)
-    m_BP = jnp.take_along_axis(x_BPW, i_BP[..., None], axis=-1)[..., 0]  # NaN where a NaN is
+    m_BP = jnp.take_along_axis(x_BPW, i_BP[..., None], axis=-1)[..., 0]
     p_B = jnp.argmax(m_BP, axis=-1).astype(jnp.int32)
     return p_B * (V // P) + jnp.take_along_axis(i_BP, p_B[:, None], axis=1)[:, 0]
 
