@@ -12,7 +12,8 @@ each device reads every layer's wqkv, bqkv and wo whole, then keeps its slice.
 Beside the config, jaxllm_config.json holds a digest of each array's bits (`digest`), made on the
 devices as it is saved and checked on them as it is restored: orbax finds a truncated file, but
 bytes changed inside a data file (only some of which zstd notices) would otherwise load as
-different weights. Each array is read in the dtype it was saved in, checked, then cast.
+different weights. Each array is read in the dtype it was saved in, checked, then cast (a part
+of the model at a time, where it is cast).
 """
 
 from __future__ import annotations
@@ -239,33 +240,64 @@ def _digests_from_json(d: dict) -> dict[str, str]:
     return digests
 
 
+CAST_PARTS = 8  # a restore that casts reads the arrays in about this many parts
+
+
 def _read(directory: Path, target: dict, saved: dict[str, np.dtype], digests: dict[str, str]) -> dict:
     """`target` (nested dicts of ShapeDtypeStructs) restored from params/: each array read in the
     dtype it was saved in (`saved`, by path), checked against its digest, then cast to the target's
-    dtype, one array at a time."""
-    import orbax.checkpoint as ocp
-
+    dtype. Where arrays are cast, they are read a part at a time (about 1/CAST_PARTS of the bytes),
+    so that the model in its saved dtype is never whole on the devices beside its cast copy."""
     named = _named_leaves(target)
     unlisted, unread = sorted({n for n, _ in named} - digests.keys()), sorted(digests.keys() - {n for n, _ in named})
     if unlisted or unread:
         raise ValueError(f"{directory / CONFIG_FILE}: no digests for {unlisted[:3]} / digests for arrays the "
                          f"model does not have {unread[:3]}: convert it again")
-    as_saved = [jax.ShapeDtypeStruct(t.shape, saved.get(n, t.dtype), sharding=t.sharding) for n, t in named]
-    treedef = jax.tree.structure(target)
-    with _reading(directory), ocp.StandardCheckpointer() as ckpt:
-        tree = ckpt.restore(directory / "params", jax.tree.unflatten(treedef, as_saved))
-    found = _digests(tree)
-    damaged = [n for n, _ in named if found[n] != digests[n]]
-    if damaged:
-        raise ValueError(f"{directory}: the converted checkpoint's params/ is damaged: "
-                         f"{', '.join(damaged[:3])}{' and more' if len(damaged) > 3 else ''} read back "
-                         "other bits than were saved (their digests differ): convert it again")
-    cast = []
-    for x, (_, t) in zip(jax.tree.leaves(tree), named):
-        cast.append(x if x.dtype == t.dtype else x.astype(t.dtype))
-        if cast[-1] is not x:
-            x.delete()  # one array in both dtypes at a time
-    return jax.tree.unflatten(treedef, cast)
+    as_saved = {n: jax.ShapeDtypeStruct(t.shape, saved.get(n, t.dtype), sharding=t.sharding) for n, t in named}
+    size = {n: int(np.prod(s.shape)) * s.dtype.itemsize for n, s in as_saved.items()}
+    parts, part = [], []
+    casts = any(as_saved[n].dtype != t.dtype for n, t in named)
+    for n, _ in named:  # consecutive arrays (a layer's lie together) up to the part's share of bytes
+        if part and casts and sum(size[m] for m in part) + size[n] > sum(size.values()) / CAST_PARTS:
+            parts.append(part)
+            part = []
+        part.append(n)
+    parts.append(part)
+    done, wanted = {}, dict(named)
+    for part in parts:
+        found = _restore_part(directory, {n: as_saved[n] for n in part}, whole=len(parts) == 1)
+        sums = _digests(found)
+        damaged = [n for n in part if sums[n] != digests[n]]
+        if damaged:
+            raise ValueError(f"{directory}: the converted checkpoint's params/ is damaged: "
+                             f"{', '.join(damaged[:3])}{' and more' if len(damaged) > 3 else ''} read back "
+                             "other bits than were saved (their digests differ): convert it again")
+        for n, x in _named_leaves(found):
+            want = wanted[n].dtype
+            done[n] = x if x.dtype == want else x.astype(want)
+            if done[n] is not x:
+                x.delete()  # the saved dtype's copy goes as soon as its cast is made
+    return jax.tree.unflatten(jax.tree.structure(target), [done[n] for n, _ in named])
+
+
+def _restore_part(directory: Path, arrays: dict[str, jax.ShapeDtypeStruct], whole: bool) -> dict:
+    """The arrays named ("layers.3.wqkv") restored from params/, as nested dicts."""
+    import orbax.checkpoint as ocp
+
+    item: dict = {}
+    for name, s in arrays.items():
+        *outer, last = name.split(".")
+        node = item
+        for key in outer:
+            node = node.setdefault(key, {})
+        node[last] = s
+    with _reading(directory):
+        if whole:
+            with ocp.StandardCheckpointer() as ckpt:
+                return ckpt.restore(directory / "params", item)
+        with ocp.PyTreeCheckpointer() as ckpt:
+            return ckpt.restore(directory / "params", args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
 
 
 @contextlib.contextmanager

@@ -252,14 +252,20 @@ def converted(saved, tmp_path):
     return directory, json.loads((directory / checkpoint.CONFIG_FILE).read_text())
 
 
-def test_converted_copy_loads(converted):
-    """A copy loads in its own dtype, and cast (read as float32, checked, then cast)."""
+def test_converted_copy_loads(converted, monkeypatch):
+    """A copy loads in its own dtype, and cast: read as float32 and checked a part at a time, so
+    that the float32 model is never whole on the device beside its bfloat16 copy."""
     directory, _ = converted
     assert jaxllm.load(directory, dtype="float32").config == PRESETS["tiny"]
     saved = jax.tree.leaves(random_params(PRESETS["tiny"], 0, jnp.float32))
+    reads, restore_part = [], checkpoint._restore_part
+    monkeypatch.setattr(checkpoint, "_restore_part", lambda directory, arrays, whole: reads.append(
+        sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in arrays.values())) or restore_part(directory, arrays, whole))
     for a, b in zip(jax.tree.leaves(jaxllm.load(directory, dtype="bfloat16")), saved, strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+    total = sum(x.nbytes for x in saved)
+    assert sum(reads) == total and max(reads) <= total / 4, (reads, total)
 
 
 def _config(meta, **changes):
