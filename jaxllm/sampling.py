@@ -174,11 +174,12 @@ def sample(logits_BV, key, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, *,
            use_min_p: bool | None = None):
     """Next token ids [B] from float32 logits [B, V]. Static flags default from concrete values.
 
-    Concrete settings are checked as generate checks them; traced ones (inside a jit) cannot be.
+    Concrete scalar settings are checked as generate checks them; traced ones (inside a jit) cannot
+    be, and per-row ones ([B, 1] arrays) are taken as they are.
     """
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     for name, value in settings.items():
-        if not isinstance(value, jax.core.Tracer):
+        if not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0:
             settings[name] = check_setting(name, value)
     temperature, top_k, top_p, min_p = settings.values()
     greedy = (temperature == 0) if greedy is None else greedy

@@ -237,6 +237,15 @@ def test_sample_checks_its_settings_as_generate_does(kwargs, message):
         jaxllm.sample(logits, jax.random.key(0), **kwargs)
 
 
+def test_sample_takes_per_row_settings_unchecked():
+    """[B, 1] settings (one a row) are taken as they are, as before the checks of scalars came."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(0, 2.0, (3, V)), jnp.float32)
+    temperature = jnp.array([[0.5], [1.0], [2.0]])
+    got = jaxllm.sample(logits, jax.random.key(0), temperature, greedy=False, use_top_k=False, use_top_p=False,
+                        use_min_p=False)
+    assert got.shape == (3,) and ((0 <= np.asarray(got)) & (np.asarray(got) < V)).all()
+
+
 def test_sample_takes_jax_scalars_as_settings():
     logits = jnp.asarray(np.random.default_rng(4).normal(0, 2.0, (4, V)), jnp.float32)
     want = jaxllm.sample(logits, jax.random.key(3), 0.7, 5, 0.9, 0.0)
