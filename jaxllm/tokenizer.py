@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
@@ -121,7 +122,7 @@ class Tokenizer:
         `add_special_tokens` adds what the tokenizer's post-processor adds (BOS, for most llamas)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        _check_flag(add_special_tokens, "add_special_tokens")
+        add_special_tokens = _check_flag(add_special_tokens, "add_special_tokens")
         _check_utf8(text, "the text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -144,7 +145,7 @@ class Tokenizer:
                 or getattr(ids, "ndim", None) == 0):
             one = "; for one token, decode([token_id])" if _is_integer(ids) else ""
             raise TypeError(f"decode takes a list of token ids, got {_described(ids)}{one}")
-        _check_flag(skip_special_tokens, "skip_special_tokens")
+        skip_special_tokens = _check_flag(skip_special_tokens, "skip_special_tokens")
         return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def stream(self, skip_special_tokens: bool = False) -> "TextStream":
@@ -167,7 +168,7 @@ class Tokenizer:
         template = self.chat_template if chat_template is None else chat_template
         if template is None:
             raise ValueError(f"{self.name} has no chat template; pass chat_template= or encode raw text")
-        _check_flag(add_generation_prompt, "add_generation_prompt")
+        add_generation_prompt = _check_flag(add_generation_prompt, "add_generation_prompt")
         messages = _conversation(messages)  # a list once: an iterator would be spent by the checks
         for n, message in enumerate(messages):
             if isinstance(message.get("content"), str):
@@ -197,10 +198,11 @@ def _described(value) -> str:
     return "None" if value is None else f"{type(value).__name__} {value!r:.80}"
 
 
-def _check_flag(value, name: str) -> None:
-    """Flags take True or False: a string "no" would count as true."""
-    if not isinstance(value, bool):
+def _check_flag(value, name: str) -> bool:
+    """A flag as a bool: True or False (numpy's too); a string "no" would count as true."""
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {_described(value)}")
+    return bool(value)
 
 
 def _conversation(messages) -> list[Mapping]:
@@ -240,7 +242,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
-        _check_flag(skip_special_tokens, "skip_special_tokens")
+        skip_special_tokens = _check_flag(skip_special_tokens, "skip_special_tokens")
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []

@@ -325,9 +325,11 @@ def test_ids_must_be_integers_in_range(ours):
         ours.decode([1.7])
     with pytest.raises(ValueError, match="integers, got 2.5"):
         ours.stream().push(2.5)
-    # integer scalars of any kind still work
+    # integer scalars of any kind still work, and numpy's bools as flags
     assert ours.decode(np.array([1, 2], np.int32)) == ours.decode([1, 2]) == "<|im_start|><|im_end|>"
     assert ours.id_to_token(np.int64(2)) == "<|im_end|>"
+    assert ours.decode([1, 2], skip_special_tokens=np.True_) == ours.decode([1, 2], skip_special_tokens=True)
+    assert ours.encode("hi", add_special_tokens=np.False_) == ours.encode("hi", add_special_tokens=False)
 
 
 @pytest.mark.parametrize("call, error, message", [
