@@ -284,35 +284,45 @@ class _Worker:
         if not sys.executable:
             raise ChatTemplateError("the chat template's render process could not be started: this "
                                     "Python does not know its own executable (sys.executable)")
-        replies, reply_end = os.pipe()
-        load = ("import importlib.util as u; s = u.spec_from_file_location('jaxllm_chat_template', "
-                f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); m._serve({reply_end})")
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # no working directory on sys.path
-        try:
-            self.process = subprocess.Popen([sys.executable, *safe_path, "-c", load],
-                                            stdin=subprocess.PIPE, pass_fds=(reply_end,))
-        except (OSError, ValueError) as e:
+        self.stopped = False  # set by stop, or by stop_all while it renders: never put back as idle
+        replies, reply_end = os.pipe()
+        try:  # whatever stops this (Ctrl-C included), the pipes and the process are not left behind
+            try:
+                load = ("import importlib.util as u; s = u.spec_from_file_location('jaxllm_chat_template', "
+                        f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); m._serve({reply_end})")
+                self.process = subprocess.Popen([sys.executable, *safe_path, "-c", load],
+                                                stdin=subprocess.PIPE, pass_fds=(reply_end,))
+            finally:
+                os.close(reply_end)
+            self.replies, self.requests = replies, self.process.stdin.fileno()
+            os.set_blocking(self.requests, False)
+            for fd in (self.replies, self.requests):
+                _widen_pipe(fd)
+        except BaseException as e:
             os.close(replies)
-            raise ChatTemplateError(f"the chat template's render process could not be started: {e}") from None
-        finally:
-            os.close(reply_end)
-        self.replies, self.requests = replies, self.process.stdin.fileno()
-        os.set_blocking(self.requests, False)
-        for fd in (self.replies, self.requests):
-            _widen_pipe(fd)
+            if hasattr(self, "process"):
+                self.process.kill()
+                self.process.stdin.close()
+                self.process.wait()
+            if isinstance(e, (OSError, ValueError)):
+                raise ChatTemplateError(f"the chat template's render process could not be started: {e}") from None
+            raise
         with _Worker._lock:
             _Worker._all.add(self)
 
     @classmethod
     def render(cls, payload: bytes) -> dict:
         with cls._turns:  # a render waits here only while RENDER_PROCESSES others are under way
-            with cls._lock:
-                worker = cls._idle.pop() if cls._idle else None
-            if worker is None or worker.process.poll() is not None:
-                if worker is not None:
-                    worker.stop()
-                worker = cls()
+            worker = None
             try:
+                with cls._lock:
+                    worker = cls._idle.pop() if cls._idle else None
+                if worker is None or worker.process.poll() is not None:
+                    if worker is not None:
+                        worker.stop()
+                    worker = None
+                    worker = cls()
                 deadline = time.monotonic() + RENDER_SECONDS
                 worker.send(payload, deadline)
                 (size,) = struct.unpack("<Q", worker.receive(8, deadline))
@@ -329,13 +339,15 @@ class _Worker:
                 raise ChatTemplateError(f"the chat template's render process ended ({how}) without a "
                                         "reply") from None
             except BaseException:  # Ctrl-C or anything else mid-exchange: the stream is out of step
-                worker.stop()
+                if worker is not None:
+                    worker.stop()
                 raise
-            if reply.get("ended"):  # it ran out of memory and ends: not to be sent the next one
-                worker.stop()
-            else:
-                with cls._lock:
+            with cls._lock:
+                idle = not (reply.get("ended") or worker.stopped)  # out of memory, or stop_all's
+                if idle:
                     cls._idle.append(worker)
+            if not idle:
+                worker.stop()
             return reply
 
     def send(self, payload: bytes, deadline: float) -> None:
@@ -364,6 +376,7 @@ class _Worker:
     def stop(self) -> int | None:
         """Stop this child and give its exit code."""
         with _Worker._lock:
+            self.stopped = True
             _Worker._all.discard(self)
         self.process.kill()
         for close in (self.process.stdin.close, lambda: os.close(self.replies)):
@@ -381,6 +394,8 @@ class _Worker:
         with cls._lock:
             idle, cls._idle = cls._idle, []
             rendering = cls._all.difference(idle)
+            for worker in rendering:
+                worker.stopped = True
         for worker in idle:
             worker.stop()
         for worker in rendering:

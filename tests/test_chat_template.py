@@ -85,6 +85,23 @@ def test_a_runaway_in_one_thread_does_not_hold_up_another(monkeypatch):
     assert errors and "render process ended" in errors[0]
 
 
+def test_an_interrupt_while_a_render_process_starts_leaves_no_pipe_open(monkeypatch):
+    """Ctrl-C inside the start of a render process (here: Popen itself) closes the reply pipe it
+    had made; it was left open, one descriptor more with each such interrupt."""
+    _Worker.stop_all()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(chat_template.subprocess, "Popen", interrupted)
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            render(1)
+    assert len(os.listdir("/proc/self/fd")) == before
+    monkeypatch.undo()
+    assert render(2) == "x2"
+
+
 def test_renders_work_with_over_a_thousand_files_open():
     """select() refused file descriptors past 1023, so a busy server could not render at all."""
     import resource
