@@ -49,6 +49,7 @@ _NUMPY_SCALARS = {
     10: "<u8", 11: "<i8", 12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+GGUF_NO_TOKEN = (-1, 2**32 - 1)  # llama.cpp's "no such token" (LLAMA_TOKEN_NULL), as int32 or uint32
 _MAX_NESTING = 16  # arrays of arrays: llama.cpp writes none; a damaged file may claim thousands
 
 
@@ -368,7 +369,7 @@ def gguf_to_hf_config(path_or_header) -> dict:
     config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         gguf_key = "tokenizer.ggml." + key.replace("pad_", "padding_")
-        if gguf_key in meta:
+        if gguf_key in meta and meta[gguf_key] not in GGUF_NO_TOKEN:
             config[key] = meta[gguf_key]
     rope_scaling = _rope_scaling(header, config)
     if rope_scaling is not None:

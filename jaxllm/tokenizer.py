@@ -390,7 +390,7 @@ def _typed(info: dict, key: str, kind: type, path: Path):
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from jaxllm.gguf import gguf_tokenizer_info
+    from jaxllm.gguf import GGUF_NO_TOKEN, gguf_tokenizer_info
 
     info = gguf_tokenizer_info(path)
     tokens = _typed(info, "ggml.tokens", list, path)
@@ -431,6 +431,8 @@ def _from_gguf(path: Path) -> Tokenizer:
 
     def token_id(key):
         i = _typed(info, f"ggml.{key}", int, path)
+        if i in GGUF_NO_TOKEN:
+            return None
         if i is not None and not 0 <= i < len(tokens):
             raise ValueError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary")
         return i

@@ -514,6 +514,18 @@ def test_gguf_without_tokenizer(tmp_path):
         load_tokenizer(tmp_path / "absent.gguf")
 
 
+def test_gguf_no_token_id_means_none(tmp_path):
+    """llama.cpp writes 2**32 - 1 (LLAMA_TOKEN_NULL) for a token a model lacks; published GGUFs
+    carry it as the padding id. It was refused, as outside the vocabulary and past int32."""
+    from jaxllm.gguf import gguf_to_hf_config
+
+    write_sentencepiece_gguf(tmp_path / "sp.gguf", [("add_uint32", "tokenizer.ggml.padding_token_id", 2**32 - 1)])
+    tok = load_tokenizer(tmp_path / "sp.gguf")
+    assert tok.encode("hello", add_special_tokens=True)[0] == 1 and tok.eos_token_ids[0] == 2
+    config = gguf_to_hf_config(tmp_path / "sp.gguf")
+    assert "pad_token_id" not in config and config["eos_token_id"] == 2
+
+
 MISTYPED_GGUF_KEYS = {
     "bos id as a string": ("add_string", "tokenizer.ggml.bos_token_id", "1", "str"),
     "eos id as a float": ("add_float32", "tokenizer.ggml.eos_token_id", 2.0, "float"),
