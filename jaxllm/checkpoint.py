@@ -272,11 +272,22 @@ def _read(directory: Path, target: dict, saved: dict[str, np.dtype], digests: di
             raise ValueError(f"{directory}: the converted checkpoint's params/ is damaged: "
                              f"{', '.join(damaged[:3])}{' and more' if len(damaged) > 3 else ''} read back "
                              "other bits than were saved (their digests differ): convert it again")
+        narrowed = []
         for n, x in _named_leaves(found):
             want = wanted[n].dtype
             done[n] = x if x.dtype == want else x.astype(want)
             if done[n] is not x:
                 x.delete()  # the saved dtype's copy goes as soon as its cast is made
+                if jnp.issubdtype(want, jnp.floating) and jnp.finfo(want).max < jnp.finfo(x.dtype).max:
+                    narrowed.append(n)
+        # The saved values are finite (checked as the source was read, and by the digests since);
+        # an infinity now is a value past the narrower dtype's range, as 1e6 in float16.
+        finite = jax.device_get([jnp.isfinite(done[n]).all() for n in narrowed])
+        if not all(finite):
+            over = [n for n, ok in zip(narrowed, finite) if not ok]
+            raise ValueError(f"{directory}: {', '.join(over[:3])}{' and more' if len(over) > 3 else ''} hold values "
+                             f"past what {wanted[over[0]].dtype} can hold (they would become infinite): restore "
+                             "the checkpoint in a wider dtype")
     return jax.tree.unflatten(jax.tree.structure(target), [done[n] for n, _ in named])
 
 

@@ -341,6 +341,19 @@ def test_digest_changes_with_any_one_bit_or_swap(dtype, shape):
     assert not np.any(np.asarray(jax.vmap(checkpoint.digest)(copies)) == int(checkpoint.digest(x.reshape(shape))))
 
 
+def test_a_restore_into_a_dtype_too_narrow_is_named(tmp_path):
+    """A float32 checkpoint holding 1e6 restored as float16 gave infinity there and NaN logits;
+    the cast is checked, as a direct load checks it (bfloat16 holds it)."""
+    params = random_params(PRESETS["tiny"], 0, jnp.float32)
+    layers = list(params.layers)
+    layers[0] = layers[0].replace(w_down=layers[0].w_down.at[0, 0].set(1e6))
+    directory = checkpoint.save(params.replace(layers=layers), tmp_path / "big")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(directory))}: layers\.0\.w_down hold values past "
+                                         r"what float16 can hold"):
+        jaxllm.load(directory, dtype="float16")
+    assert float(jaxllm.load(directory, dtype="bfloat16").layers[0].w_down[0, 0]) == 999424.0  # 1e6, rounded
+
+
 def test_params_of_another_save_are_named(converted, tmp_path):
     """params/ holding other values than its digests say (here: one weight changed, written by a
     second save) is refused, naming that weight, in the saved dtype and when cast on restore."""
