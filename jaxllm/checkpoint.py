@@ -131,9 +131,7 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
         raise ValueError("these params repeat KV heads for their mesh; save them from a mesh whose "
                          "tp size divides the KV heads (or from one device)")
     directory = Path(directory).absolute()
-    if directory.exists() and any(directory.iterdir()):
-        raise ValueError(f"{directory} exists and is not empty")
-    directory.mkdir(parents=True, exist_ok=True)
+    _writable_empty(directory)
     tree = _to_tree(params)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(directory / "params", tree)
@@ -146,6 +144,18 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
     return directory
 
 
+def _writable_empty(directory: Path) -> None:
+    """Make `directory` (new, or empty), or a ValueError saying why it cannot hold a checkpoint."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} exists and is not a directory")
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} exists and is not empty")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{directory} cannot be made: {e.strerror or e}") from None
+
+
 def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
             quant: str = "none") -> Path:
     """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model) on one
@@ -154,6 +164,7 @@ def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None
     from jaxllm.loader import load
     from jaxllm.tokenizer import load_tokenizer
 
+    _writable_empty(Path(dst).absolute())  # before the load, which may take minutes
     out = save(load(src, dtype=dtype, mesh=mesh, quant=quant), dst)
     try:  # beside the weights, so DST alone serves `jaxllm generate --model DST`
         tok = load_tokenizer(src)

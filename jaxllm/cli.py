@@ -369,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         # Point stdout at /dev/null so that the flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError) as e:
+        # A path the command cannot write or read (--trace-dir under /sys, say): one line too
+        print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

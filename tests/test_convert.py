@@ -69,3 +69,32 @@ def test_cli_convert_then_generate_and_tp(tmp_path):
     too_many = _cli("generate", "hi", "--tp", "4", env=two)
     assert too_many.returncode == 2 and "needs 4 devices" in too_many.stderr
     assert "Traceback" not in too_many.stderr
+
+
+def test_convert_refuses_its_destination_before_loading(tmp_path, monkeypatch):
+    """A destination that cannot take the checkpoint is named before the model is loaded (minutes
+    for a large one), not after."""
+    from jaxllm import loader
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("kept")
+    with pytest.raises(ValueError, match=r"full exists and is not empty"):
+        checkpoint.convert(None, full)
+    with pytest.raises(ValueError, match=r"notes.txt exists and is not a directory"):
+        checkpoint.convert(None, full / "notes.txt")
+    with pytest.raises(ValueError, match=r"notes.txt/sub cannot be made"):
+        checkpoint.convert(None, full / "notes.txt" / "sub")
+    assert (full / "notes.txt").read_text() == "kept"
+
+
+def test_cli_names_a_path_it_cannot_write(tmp_path, monkeypatch, capsys):
+    """A PermissionError (an output directory under a read-only tree, say) is one line, exit 2."""
+    from jaxllm import cli
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/sys/out")
+    monkeypatch.setattr(checkpoint, "convert", denied)
+    assert cli.main(["convert", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "jaxllm convert: error: [Errno 13] Permission denied: '/sys/out'" in err and "Traceback" not in err
