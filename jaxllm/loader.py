@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from jaxllm import checkpoint, hf, paths, sharding
 from jaxllm.config import ModelConfig
@@ -76,6 +76,10 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxllm.sharding.make_mesh), got "
                         f"{type(mesh).__name__} {mesh!r:.80}")
+    if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
+        # jax.make_mesh makes Explicit axes by default; the model's shard_map and the shardings
+        # XLA propagates around it take Auto ones: the same devices and names, as Auto axes.
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     shard = None if mesh is None else dict(mesh=mesh, expert_parallel=expert_parallel)
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")

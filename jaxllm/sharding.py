@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -51,8 +52,12 @@ def make_mesh(tp: int, data: int = 1, devices=None) -> Mesh:
     The one-line hook for a CLI `--tp N`: `mesh = make_mesh(N) if N > 1 else None`.
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (tp, data)):
+        raise TypeError(f"mesh sizes must be whole numbers, got tp={tp!r} data={data!r}")
     if tp < 1 or data < 1:
         raise ValueError(f"mesh sizes must be >= 1, got tp={tp} data={data}")
+    if not devices:
+        raise ValueError("a mesh needs devices; the list given is empty")
     if tp * data > len(devices):
         raise ValueError(f"a mesh of tp={tp} x data={data} needs {tp * data} devices; "
                          f"{len(devices)} are visible ({devices[0].platform})")

@@ -395,11 +395,39 @@ def check_decode_kernel_sharded(root: Path) -> str:
     return f"tokens equal the unsharded path's; the kernel ran on {K // 4} of {K} KV heads a device"
 
 
+def check_explicit_mesh(root: Path) -> str:
+    """A mesh from jax.make_mesh (Explicit axes by default) loads and generates as make_mesh's
+    (Auto axes); it loaded, then every call failed in shard_map's in_specs. Bad sizes are named."""
+    import jax
+    import pytest
+
+    import jaxllm
+    from jaxllm import sharding
+
+    path = root / "llama_k2"
+    if not (path / "config.json").exists():
+        write_checkpoint(path, hf_config("llama_k2"))
+    want = jaxllm.generate(jaxllm.load(path, dtype="float32", mesh=sharding.make_mesh(2)), prompts(),
+                           max_new_tokens=8, eos_token_ids=()).tokens
+    explicit = jax.make_mesh((2,), (sharding.TP,))
+    got = jaxllm.generate(jaxllm.load(path, dtype="float32", mesh=explicit), prompts(), max_new_tokens=8,
+                          eos_token_ids=()).tokens
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for bad, error, message in ((2.5, TypeError, "whole numbers"), ("2", TypeError, "whole numbers"),
+                                (None, TypeError, "whole numbers"), (0, ValueError, ">= 1")):
+        with pytest.raises(error, match=message):
+            sharding.make_mesh(bad)
+    with pytest.raises(ValueError, match="the list given is empty"):
+        sharding.make_mesh(1, devices=[])
+    return f"{explicit.axis_types} axes load and generate as Auto ones"
+
+
 def _checks(root: Path) -> list[tuple[str, object]]:
     checks = [(case_name(*c), (lambda c=c: check_case(root, *c))) for c in CASES]
     return checks + [("sampling_and_stream", lambda: check_sampling_and_stream(root)),
                      ("decode_kernel_sharded", lambda: check_decode_kernel_sharded(root)),
                      ("checkpoint", lambda: check_checkpoint(root)),
+                     ("explicit_mesh", lambda: check_explicit_mesh(root)),
                      ("no_logits_gather", check_no_logits_gather), ("abstract_70b", check_70b_abstract),
                      ("init_sharded", check_init_sharded),
                      ("trace_collectives", lambda: check_trace_collectives(root))]
