@@ -41,6 +41,9 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16,
     `kv_dtype` "int8" (or jnp.int8) stores keys and values as int8 with a float32 scale per
     (row, KV head, slot): half the bytes a decode step reads from the cache. Default: `dtype`.
     """
+    if not isinstance(config, ModelConfig):
+        hint = " (params.config)" if hasattr(config, "config") else ""
+        raise TypeError(f"init_cache takes the model's ModelConfig{hint}, got {type(config).__name__}")
     for name, n in (("batch", batch), ("length", length)):
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= 2 ** 31 - 1:
             raise ValueError(f"cache {name} must be a whole number >= 1 and at most 2**31 - 1 (slots and rows "

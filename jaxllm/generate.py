@@ -258,6 +258,15 @@ def _is_stop(token, stop_ids):
     return jnp.any(token[..., None] == stop_ids, axis=-1)
 
 
+def _key(seed: int) -> jax.Array:
+    """The PRNG key of a seed of up to 64 bits. Without x64, jax.random.key keeps a seed's low 32
+    bits, so 0 and 2**32 drew the same tokens: the high bits are folded in (seeds in [0, 2**32)
+    keep the keys they had)."""
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    high = (seed >> 32) & 0xFFFFFFFF
+    return jax.random.fold_in(key, high) if high else key
+
+
 def _whole(name: str, value, low: int, high: int = INT32_MAX) -> int:
     """`value` as an int where it is a whole number in [low, high]; else a ValueError naming it."""
     x = number(name, value)
@@ -314,7 +323,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
                                                      eos_token_ids, seed)
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
-        return (params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(seed),
+        return (params, jnp.asarray(tokens), jnp.asarray(start), _key(seed),
                 jnp.int32(max_new_tokens), _stop_array(stops), sampling.values()), dict(
                     cache_length=cache_length, steps=steps, flags=sampling.static(),
                     kv_int8=is_int8(kv_dtype))
@@ -377,7 +386,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
                                            allocated)
     stops = set(stops)
     flags, values = sampling.static(), sampling.values()
-    key = jax.random.key(seed)
+    key = _key(seed)
     cache = new_cache(jnp.asarray(start), cache_length)
     tokens_dev = jnp.asarray(tokens)
     seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \

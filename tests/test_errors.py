@@ -170,6 +170,8 @@ def test_low_level_calls_check_the_cache_and_the_context(llama):
                             (dict(batch=1, length=10**12), r"cache length must be .*at most 2\*\*31 - 1")]:
         with pytest.raises(ValueError, match=message):
             jaxllm.init_cache(cfg, **kwargs)
+    with pytest.raises(TypeError, match=r"init_cache takes the model's ModelConfig \(params.config\), got Params"):
+        jaxllm.init_cache(params, 1, 8)  # was an AttributeError: 'Params' object has no attribute 'num_layers'
     # A cache made for another model (here: one layer fewer) is named, not an IndexError in the step
     other = jaxllm.init_cache(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), 1, 8, params.dtype)
     message = rf"the cache was made for another model: {cfg.num_layers - 1} layers of"

@@ -365,3 +365,17 @@ def test_a_long_stop_list_is_one_comparison(llama, free_run):
     out = jaxllm.generate(llama.params, prompt[:1], max_new_tokens=NEW, eos_token_ids=stops)
     assert int(out.lengths[0]) == k + 1
     np.testing.assert_array_equal(out.tokens[0, :k + 1], free[0, :k + 1])
+
+
+def test_seeds_differ_past_32_bits(llama):
+    """Seeds are 64-bit: 0 and 2**32, or -1 and 2**32 - 1, drew the same tokens (only the low 32
+    bits reached the key); seeds below 2**32 draw what they drew before."""
+    prompt = random_tokens((1, 12), seed=3)
+
+    def draw(seed):
+        return np.asarray(jaxllm.generate(llama.params, prompt, seed=seed, **SAMPLED).tokens)
+    assert not np.array_equal(draw(0), draw(2**32))
+    assert not np.array_equal(draw(-1), draw(2**32 - 1))
+    gen = importlib.import_module("jaxllm.generate")
+    assert jax.random.key_data(gen._key(7)).tolist() == jax.random.key_data(jax.random.key(7)).tolist()
+    np.testing.assert_array_equal(draw(2**32 + 7), draw(2**32 + 7))
