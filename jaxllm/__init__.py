@@ -35,5 +35,6 @@ __all__ = ["KVCache", "GenerateOutput", "ModelConfig", "Params", "decode_step", 
 __all__ += ["summarize", "trace", "trace_steady"]
 
 # The persistent compilation cache, on by default; set up at import, before anything compiles
-# (JAX fixes its cache at the first compilation). Never raises; see compile_cache.py.
+# (JAX fixes its cache at the first compilation). Raises only for a JAXLLM_NO_COMPILE_CACHE
+# that is no on/off switch; an unusable directory means no cache. See compile_cache.py.
 compile_cache.enable()

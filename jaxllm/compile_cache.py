@@ -7,10 +7,11 @@ of compiling again: seconds saved for every prompt bucket of a large model.
 `jaxllm/__init__` calls `enable()` on import, before anything compiles: JAX builds its cache
 object once per process at the first compilation, and every path that compiles (forward, prefill,
 decode_step, generate, stream, the CLI, user code) then shares it without hooks of its own.
-It never raises: an unwritable directory (read-only HOME in CI) means no cache, not an error.
-Off with `JAXLLM_NO_COMPILE_CACHE=1` or `enable(False)`. A cache directory the user already
-gave JAX (`JAX_COMPILATION_CACHE_DIR`, `jax.config`) is kept, and so is a cache the user
-turned off (`JAX_ENABLE_COMPILATION_CACHE=0`).
+It never raises for the cache itself: an unwritable directory (read-only HOME in CI) means no
+cache, not an error. Off with `JAXLLM_NO_COMPILE_CACHE=1` (an on/off switch: 1/0, true/false,
+yes/no, on/off; any other value is a ValueError naming it) or `enable(False)`. A cache directory
+the user already gave JAX (`JAX_COMPILATION_CACHE_DIR`, `jax.config`) is kept, and so is a
+cache the user turned off (`JAX_ENABLE_COMPILATION_CACHE=0`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import jax
 
 from jaxllm import paths
+from jaxllm.env import env_flag
 
 ENV_OFF = "JAXLLM_NO_COMPILE_CACHE"
 log = logging.getLogger("jaxllm")
@@ -35,7 +37,7 @@ def default_dir() -> Path:
 
 
 def _env_off() -> bool:
-    return os.environ.get(ENV_OFF, "").strip().lower() not in ("", "0", "false", "no")
+    return env_flag(ENV_OFF, False)
 
 
 def _reset_jax_cache():
@@ -62,8 +64,9 @@ def enable(dir: str | os.PathLike | bool | None = None) -> Path | None:
     time are cached: the small per-token ones are the ones compiled most often.
     """
     global _ours
+    off = dir is False or (dir is None and _env_off())  # a bad value raises, outside the try below
     try:
-        if dir is False or (dir is None and _env_off()):
+        if off:
             if jax.config.jax_enable_compilation_cache:
                 jax.config.update("jax_enable_compilation_cache", False)
                 _reset_jax_cache()

@@ -1,19 +1,34 @@
 """The JAXLLM_* environment variables that tune kernels and loading, read once at import: a value
-that does not parse is a ValueError naming its variable, not a bare `int()` error."""
+that does not parse is a ValueError naming its variable and value, not a bare `int()` error or a
+garbage value silently taken for the default."""
 
 from __future__ import annotations
 
+import math
 import os
+
+# A number beyond this is no setting of any variable here, and would overflow the int it ends in
+# (JAXLLM_LOAD_BUFFER_MB=1e308 times 2**20 is inf in float).
+_LARGEST = 2**63
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
 
 
 def env_number(name: str, default, kind=int):
-    """$name as `kind` (int or float), `default` where it is unset."""
+    """$name as `kind` (int or float), `default` where it is unset; finite and below 2**63 in
+    magnitude."""
     text = os.environ.get(name, str(default))
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"environment variable {name}={text!r} is not {what}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"environment variable {name}={text!r} is not a finite number")
+    if abs(value) >= _LARGEST:
+        raise ValueError(f"environment variable {name}={text!r} is out of range "
+                         f"(its magnitude must be below 2**63)")
+    return value
 
 
 def env_ints(name: str, default: str) -> tuple[int, ...]:
@@ -29,3 +44,27 @@ def env_ints(name: str, default: str) -> tuple[int, ...]:
         raise ValueError(f"environment variable {name}={text!r} is not a comma-separated list of "
                          f"{count} integers (default {default!r})")
     return values
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """$name, one of `choices` (exactly as spelled there), `default` where it is unset or empty."""
+    text = os.environ.get(name, "")
+    if text == "":
+        return default
+    if text not in choices:
+        raise ValueError(f"environment variable {name}={text!r} is not one of "
+                         f"{', '.join(repr(c) for c in choices)}")
+    return text
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """$name as an on/off switch: 1/true/yes/on or 0/false/no/off (any case), `default` where it
+    is unset or empty."""
+    text = os.environ.get(name, "")
+    word = text.strip().lower()
+    if word == "":
+        return default
+    if word in _ON or word in _OFF:
+        return word in _ON
+    raise ValueError(f"environment variable {name}={text!r} is not an on/off switch "
+                     f"(1/0, true/false, yes/no, on/off)")

@@ -22,6 +22,7 @@ import numpy as np
 from jaxllm import layers as L
 from jaxllm import memory
 from jaxllm.cache import init_cache, is_int8
+from jaxllm.env import env_flag
 from jaxllm.memory import check_fit
 from jaxllm.model import AUTOTUNE_OPTIONS, check_kv_int8, check_tokens, jitted_step, rotation_table, step
 from jaxllm.params import Params, require_params
@@ -210,7 +211,7 @@ def _choice(rows: int = 0, params: Params | None = None) -> tuple[bool, bool]:
     needs its kernels or the environment says otherwise (see LOOP_GRAPH_OPTIONS); cuBLAS's GEMMs
     only for one row of a dense float model on a GPU (see ONE_ROW_OPTIONS)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    graph = not (kernels_visible() or os.environ.get("JAXLLM_LOOP_GRAPH", "1") == "0"
+    graph = not (kernels_visible() or not env_flag("JAXLLM_LOOP_GRAPH", True)
                  or "xla_gpu_enable_command_buffer" in flags)
     cublas = (rows == 1 and params is not None and params.config.num_experts == 0
               and L.gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags

@@ -27,7 +27,6 @@ layer's routing (softmax and top-k) is one kernel, `route`.
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +35,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxllm import layers as L
-from jaxllm.env import env_ints, env_number
+from jaxllm.env import env_choice, env_flag, env_ints, env_number
 from jaxllm.quant import QuantizedWeight, stored
 
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).
-DECODE_ATTENTION = os.environ.get("JAXLLM_DECODE_ATTENTION", "auto")
+# The kernel switches below take these values (any other is a ValueError at import).
+MODES = ("auto", "xla", "interpret")
+DECODE_ATTENTION = env_choice("JAXLLM_DECODE_ATTENTION", MODES, "auto")
 # Tiles: cache slots per loop iteration (at most; a cache length's power-of-two factor), cache
 # slots per program (longer caches split over programs, combined after), warps per program.
 # 32,128,4 had the lowest total of five tile sets over the five cases above (64,1024,4: 25% more).
@@ -143,7 +144,7 @@ def _block(length: int) -> int:
 # unchanged. XLA's own PDL (--xla_gpu_enable_pdl, on by default) matters more: off, Qwen3-0.6B
 # took 0.762 ms against 0.728 and Llama-3.2-1B 0.859 against 0.836. JAXLLM_PDL_TRIGGER=0 turns
 # the signal off.
-PDL_TRIGGER = os.environ.get("JAXLLM_PDL_TRIGGER", "1") != "0"
+PDL_TRIGGER = env_flag("JAXLLM_PDL_TRIGGER", True)
 
 
 def _pdl_trigger(interpret: bool) -> bool:
@@ -237,8 +238,8 @@ class SplitHeads:
 # JAXLLM_INT8_DIGIT_TILES and JAXLLM_INT8_HEAD_DIGIT_TILES ("rows,chunk,warps,stages": rows of
 # each of gate and up, or of the lm_head, a program; channels a loop step) override the tiles
 # for benchmarking.
-INT8_DIGITS = os.environ.get("JAXLLM_INT8_DIGITS", "1") != "0"
-INT8_HEAD_DIGITS = os.environ.get("JAXLLM_INT8_HEAD_DIGITS", "1") != "0"
+INT8_DIGITS = env_flag("JAXLLM_INT8_DIGITS", True)
+INT8_HEAD_DIGITS = env_flag("JAXLLM_INT8_HEAD_DIGITS", True)
 DIGITS = 4
 # The down projection takes the same kernel, from digits that gate/up's kernel writes of its
 # output (INT8_DOWN_DIGITS): no pass of its own, where making them from the output's largest
@@ -262,7 +263,7 @@ DIGITS = 4
 # With the rule (`source` bab3aa4239c3, same run): Llama-3.2-1B 0.6284 and 0.6229 against
 # 0.6273, the 8B shape 2.4914 and 2.4884 against 2.5534. JAXLLM_INT8_DOWN_DIGITS=0 keeps down in
 # `project`'s kernel; JAXLLM_INT8_DOWN_DIGIT_TILES sets its tiles.
-INT8_DOWN_DIGITS = os.environ.get("JAXLLM_INT8_DOWN_DIGITS", "1") != "0"
+INT8_DOWN_DIGITS = env_flag("JAXLLM_INT8_DOWN_DIGITS", True)
 DOWN_DIGITS = 5
 DOWN_DIGIT_TILES = env_ints("JAXLLM_INT8_DOWN_DIGIT_TILES", "32,512,4,7")
 DIGIT_ROWS = 16  # a tensor-core product's fewest rows: the digits, then rows never read
@@ -460,7 +461,7 @@ def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref
 # to KERNEL_MAX_INT8_WEIGHTS, since converting them without I2F (below) made it the faster.
 # "auto": the kernel on a GPU where `decode_project_mode` allows; "xla" never; "interpret" in
 # Pallas' interpreter (tests on the CPU).
-DECODE_PROJECT = os.environ.get("JAXLLM_DECODE_PROJECT", "auto")
+DECODE_PROJECT = env_choice("JAXLLM_DECODE_PROJECT", MODES, "auto")
 # JAXLLM_PROJECT_MAX_WEIGHTS overrides the limit for benchmarking. 30M (the 8B shape's qkv and
 # o, Llama-3.2-1B's down too) lost on both: 4.11 against 4.06 ms a step, 0.892 against 0.889;
 # 120M (every 8B layer matrix) in the int8 tiles below lost too: 4.126 against 3.855.
@@ -496,7 +497,7 @@ ONE_CHUNK_CHANNELS = env_number("JAXLLM_PROJECT_ONE_CHUNK", 4096)
 # 0.6694 and 0.6593 (1560 and 1563 tok/s against 1494 and 1517); see docs/speed.md.
 # The tokens of `generate` are the same either way (`scripts/gpu_check.py generate_loop`).
 # JAXLLM_GATE_UP_WIDE=0 halves the rows everywhere.
-GATE_UP_WIDE = os.environ.get("JAXLLM_GATE_UP_WIDE", "1") != "0"
+GATE_UP_WIDE = env_flag("JAXLLM_GATE_UP_WIDE", True)
 # int8 weights, converted in registers without I2F (see `_INT8_ASM`), stream faster through the
 # kernel than through XLA's reduction up to the 8B shape's gate/up (117M weights), given larger
 # tiles. The 8B shape in int8 on an H200, a step: 2.877 ms with every layer matrix in the kernel,
@@ -618,7 +619,7 @@ def project_takes(w_NC, mode: str | None, swiglu: bool = False, biased: bool = F
 # fed by the embedding (no residual add to pair the norm with), keeps it. Float matrices and
 # small int8 ones keep it too: one kernel fewer, where small models' steps are bound by launches
 # (this order not measured for them). JAXLLM_INT8_NORM_APART=0 folds it in everywhere.
-INT8_NORM_APART = os.environ.get("JAXLLM_INT8_NORM_APART", "1") != "0"
+INT8_NORM_APART = env_flag("JAXLLM_INT8_NORM_APART", True)
 
 
 def project_folds_norm(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False) -> bool:
@@ -978,7 +979,7 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
 # norm: qkv 20.8 us against 17.3, down 36.5 against 32.2, and the step 5.108 ms against 4.7602.
 # JAXLLM_ROWS_PROJECT: "auto", "xla" or "interpret", as DECODE_PROJECT;
 # JAXLLM_ROWS_TILES="outputs,chunk,warps,stages" overrides the tiles for benchmarking.
-ROWS_PROJECT = os.environ.get("JAXLLM_ROWS_PROJECT", "auto")
+ROWS_PROJECT = env_choice("JAXLLM_ROWS_PROJECT", MODES, "auto")
 ROWS_MIN, ROWS_MAX = 8, 32
 ROWS_SIGNAL_ROWS = 32  # padded rows from which the kernel gives the PDL signal
 ROWS_ANY_SIZE = 32  # rows from which any model's matrices take the kernel
@@ -1126,7 +1127,7 @@ def _swiglu(gate, up, dtype):
 # How the kernel converts int8 weights to float32 on a GPU: "permute" (`_INT8_ASM`) or "i2f"
 # (the compiler's convert). I2F issues at a quarter of the float rate: streaming int8 near the
 # memory's speed takes about 16 conversions a clock per multiprocessor, all that I2F gives.
-INT8_CONVERT = os.environ.get("JAXLLM_INT8_CONVERT", "permute")
+INT8_CONVERT = env_choice("JAXLLM_INT8_CONVERT", ("permute", "i2f"), "permute")
 
 # int8 -> float32 by two full-rate instructions a value: each byte, offset to u = q + 128, is
 # permuted into the low byte of 0x4B000000, the float 2^23 (a 23-bit mantissa), giving the float
@@ -1221,7 +1222,7 @@ mov.b32 $0, 0;
 # weights-first layers, whose every matrix is asked for, lines lost (0.4089 and 0.3983 against
 # 0.3898 and 0.3936), so they keep the bulk copy. The tokens of `generate` are the same either
 # way (`scripts/gpu_check.py`). JAXLLM_PREFETCH_LINES=0 turns lines off (the bulk copy everywhere).
-PREFETCH_LINES = os.environ.get("JAXLLM_PREFETCH_LINES", "1") != "0"
+PREFETCH_LINES = env_flag("JAXLLM_PREFETCH_LINES", True)
 PREFETCH_LINE_COUNT = 16  # lines one lane asks for, at most: a matrix needing more is not asked for
 _PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
     f"setp.gt.s32 p, $2, {128 * i};\n@p prefetch.global.L2::evict_last [$1+{128 * i}];\n"
@@ -1286,7 +1287,7 @@ def prefetched(w) -> bool:
 # order: with the squares last either way (SQUARES_LAST, below), SmolLM2 without it took 0.4140,
 # 0.4124 and 0.4138 ms a step against 0.3803, 0.3856 and 0.3856 (same run; the faster side also
 # loaded o's weights before combining the heads, about 0.006 ms of it, see docs/speed.md).
-WEIGHTS_FIRST = os.environ.get("JAXLLM_WEIGHTS_FIRST", "1") != "0"
+WEIGHTS_FIRST = env_flag("JAXLLM_WEIGHTS_FIRST", True)
 
 # Every float matrix's kernel, its weights from HBM or L2, makes the norm's sum of squares after
 # the products too (x loaded first, as before): the weights are then asked for right after x
@@ -1299,7 +1300,7 @@ WEIGHTS_FIRST = os.environ.get("JAXLLM_WEIGHTS_FIRST", "1") != "0"
 # 0.8198; 0.8161 against 0.8121. int8 matrices keep the squares before: the 8B shape in int8 took
 # 2.7608 and 2.7746 ms with them last against 2.7281 and 2.7415. JAXLLM_SQUARES_LAST=0 turns it
 # off (the squares before the weights' load wherever the weights are not loaded first).
-SQUARES_LAST = os.environ.get("JAXLLM_SQUARES_LAST", "1") != "0"
+SQUARES_LAST = env_flag("JAXLLM_SQUARES_LAST", True)
 
 
 def weights_first(matrices) -> bool:
@@ -1343,14 +1344,14 @@ def _prefetch(ref, programs: int, lanes: int, after, lines: bool = False):
 # against 0.868 ms a step, the 8B shape 3.958 against 4.003.
 # "auto": the kernel on a GPU where `add_norm_mode` allows; "xla" never; "interpret" in Pallas'
 # interpreter (tests on the CPU).
-ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "auto")
+ADD_NORM = env_choice("JAXLLM_ADD_NORM", MODES, "auto")
 # The PDL signal (see PDL_TRIGGER) in this kernel too, where its programs fit on the GPU at once
 # (decode steps): the 8B shape at batch 1 took 3.885 and 3.884 ms a step against 3.899 and 3.897
 # (H200, same run), on a slower H200 3.996 and 4.002 against 4.013 and 4.011; a 2048-token
 # prefill, many waves of programs, 48.45 ms against 47.59, so it never signals there.
 # `scripts/gpu_check.py` passed with it (decode through this kernel against XLA, and generate's
 # tokens identical with the signals off). JAXLLM_PDL_ADD_NORM=0 turns it off.
-ADD_NORM_TRIGGER = os.environ.get("JAXLLM_PDL_ADD_NORM", "1") != "0"
+ADD_NORM_TRIGGER = env_flag("JAXLLM_PDL_ADD_NORM", True)
 # Tiles: rows a program (at most; a power of two that divides the row count), warps a program.
 # JAXLLM_ADD_NORM_TILES="rows,warps" overrides them for benchmarking.
 ADD_NORM_ROWS, ADD_NORM_WARPS = env_ints("JAXLLM_ADD_NORM_TILES", "1,4")
@@ -1470,7 +1471,7 @@ def _store_digits(v, cols, digits_ref, factor_ref):
 # 2.4776 and 2.5170 (another machine), Mixtral-8x7B 6.4012 against 6.3494.
 # "auto": the kernel on a GPU for float16/bfloat16 models; "xla" never; "interpret" in Pallas'
 # interpreter (tests on the CPU).
-ROUTE = os.environ.get("JAXLLM_ROUTE", "auto")
+ROUTE = env_choice("JAXLLM_ROUTE", MODES, "auto")
 
 
 def route_mode(dtype) -> str | None:

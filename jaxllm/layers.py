@@ -5,11 +5,11 @@ runs unsharded, inside `shard_map` (where N, K, F are per-device counts) and in 
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.env import env_choice, env_flag
 from jaxllm.quant import QuantizedWeight
 
 
@@ -25,7 +25,7 @@ def rms_norm(x, weight, eps: float):
 # a float32 multiply + row reduction, which XLA emits as a bandwidth-bound reduction kernel; "dot"
 # leaves it to XLA's GEMM emitter, whose [8, 64] output tiles streamed the 8B shape's gate/up and
 # down weights at ~2 TB/s on an H200. JAXLLM_GEMV overrides it for benchmarking.
-GEMV = os.environ.get("JAXLLM_GEMV", "reduce")
+GEMV = env_choice("JAXLLM_GEMV", ("reduce", "dot"), "reduce")
 
 
 def project(x_TC, w_OC, out_dtype=None):
@@ -109,7 +109,7 @@ def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=N
 # How a prefill into an empty cache attends (`causal_attention`): "cudnn" is cuDNN's fused flash
 # attention through jax.nn.dot_product_attention, "xla" the masked einsum form of `attention`;
 # "auto" takes cuDNN on a GPU when the dtype and head size allow. JAXLLM_ATTENTION overrides it.
-ATTENTION = os.environ.get("JAXLLM_ATTENTION", "auto")
+ATTENTION = env_choice("JAXLLM_ATTENTION", ("auto", "cudnn", "xla"), "auto")
 
 
 def gpu_generation() -> int:
@@ -256,7 +256,7 @@ def _gathered_project(x_MD, w_EOC, experts_MA):
 # Dense models' one-row gate/up keep the one reduction: the 8B shape's took 57.0-57.6 us against
 # 56.2-56.5 in chains, and a step of Llama-3.2-1B 0.8162 ms against 0.8039 (`.device/run138.sh`).
 # JAXLLM_MOE_SWIGLU_REDUCE=0 turns it off.
-MOE_SWIGLU_REDUCE = os.environ.get("JAXLLM_MOE_SWIGLU_REDUCE", "1") != "0"
+MOE_SWIGLU_REDUCE = env_flag("JAXLLM_MOE_SWIGLU_REDUCE", True)
 
 
 def _gathered_swiglu(x_MD, gate_up_EJFD, experts_MA):
@@ -342,7 +342,7 @@ def _grouped_matmul(x_RK, w_ENK, group_sizes_E):
 # Tiles of the Mosaic GPU grouped GEMM (the one configuration measured, at the Mixtral shape on
 # an H200: not tuned), and whether it may be used at all (JAXLLM_GROUPED_GEMM=xla turns it off).
 MGPU_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-GROUPED_GEMM = os.environ.get("JAXLLM_GROUPED_GEMM", "auto")
+GROUPED_GEMM = env_choice("JAXLLM_GROUPED_GEMM", ("auto", "xla"), "auto")
 
 
 @functools.cache

@@ -24,9 +24,10 @@ def default_model_path() -> Path:
 
 
 def cache_dir() -> Path:
-    """$JAXLLM_CACHE, else $XDG_CACHE_HOME/jaxllm, else ~/.cache/jaxllm."""
+    """$JAXLLM_CACHE, else $XDG_CACHE_HOME/jaxllm, else ~/.cache/jaxllm; a leading `~` expanded
+    (a quoted `JAXLLM_CACHE='~/jx'` reaches us unexpanded: not a `./~` under the working dir)."""
     root = os.environ.get("JAXLLM_CACHE")
     if root:
-        return Path(root)
+        return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "jaxllm" if xdg else Path.home() / ".cache" / "jaxllm"
+    return Path(xdg).expanduser() / "jaxllm" if xdg else Path.home() / ".cache" / "jaxllm"
