@@ -48,6 +48,16 @@ def _config_to_json(cfg: ModelConfig) -> dict:
     return {"format": FORMAT, "config": dataclasses.asdict(cfg)}
 
 
+def read_config(directory: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a converted checkpoint, from its jaxllm_config.json (every key checked)."""
+    config_file = Path(directory) / CONFIG_FILE
+    meta = read_json_object(config_file)
+    try:
+        return _config_from_json(meta)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+
+
 def _config_from_json(d: dict) -> ModelConfig:
     """The ModelConfig of a jaxllm_config.json, every key checked by name."""
     if d.get("format") != FORMAT:

@@ -89,15 +89,26 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_config(name_or_path: str) -> ModelConfig:
-    """A preset by name, else the config.json of a Hugging Face checkpoint directory."""
-    if name_or_path in PRESETS:
+def get_config(name_or_path: str | os.PathLike) -> ModelConfig:
+    """A preset by name, else the config of what `jaxllm.load` reads there: a Hugging Face
+    checkpoint directory (its config.json), a `jaxllm convert` directory (its jaxllm_config.json)
+    or a .gguf file (its header)."""
+    if isinstance(name_or_path, str) and name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    if not str(name_or_path).strip():  # Path("") is the current directory: never what was meant
+        raise ValueError(f"empty model name: give a preset ({', '.join(PRESETS)}) or a checkpoint path")
     path = Path(name_or_path)
+    from jaxllm import checkpoint
+    if path.is_dir() and checkpoint.is_checkpoint(path):
+        return checkpoint.read_config(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from jaxllm.gguf import gguf_to_hf_config
+        return ModelConfig.from_hf(gguf_to_hf_config(path))
     if path.is_dir() or path.name == "config.json":
         return ModelConfig.from_hf(path)
-    raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a Hugging Face "
-                     f"checkpoint directory with config.json")
+    raise ValueError(f"{str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
+                     f"(a Hugging Face directory with config.json, a `jaxllm convert` directory or a "
+                     f".gguf file)")
 
 
 # Elements drawn per piece: 2**26 float32 values are 256 MiB of scratch on top of the weights.
@@ -219,10 +230,17 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
     their index where there are several, as save_pretrained lays them out. Norm weights are ones,
     biases zeros, every other tensor normal(0, scale) values: a block of 2^22 drawn once, each
     tensor a copy of it from a random offset, repeated, rather than every value drawn (an 8B
-    model's take a while). Returns the safetensors files written."""
+    model's take a while). Returns the safetensors files written.
+
+    `path` must not exist or be an empty directory: writing into another checkpoint would replace
+    some of its files and leave the rest (a tokenizer, other shards), two models mixed."""
     from safetensors.numpy import save_file
 
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()):
+        raise ValueError(f"{path} exists and is not empty")
     path.mkdir(parents=True, exist_ok=True)
     dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)

@@ -90,14 +90,56 @@ SUSTAIN_S = 0.5
 CLOCK_KEYS = ("sm_mhz", "sm_mhz_min", "power_w", "power_capped_pct")  # of telemetry's summary
 
 
+MAX_SIZE = 2**31 - 1  # the largest batch or prompt taken: int32, as the arrays that index them
+MAX_SEED = 2**63 - 1  # jax.random.key takes a C long
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    if not values or min(values) < 1 or max(values) > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 and <= {MAX_SIZE}, got {text!r}")
     return values
+
+
+def _int_in(least: int, most: int):
+    """An argparse type: an integer in [least, most]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not least <= value <= most:
+            shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
+            raise argparse.ArgumentTypeError(f"must be in [{least}, {most}], got {shown}")
+        return value
+    return parse
+
+
+def _rate_arg(text: str) -> float:
+    """An argparse type: a positive, finite rate."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite rate, got {text}")
+    return value
+
+
+def _unwritable(path: Path, what: str) -> str | None:
+    """Why a file or directory cannot be made at `path` (its nearest existing ancestor must be a
+    writable directory), else None."""
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{what} {path}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{what} {path}: {parent} is not writable"
+    return None
 
 
 def parse_args(argv):
@@ -114,21 +156,21 @@ def parse_args(argv):
     p.add_argument("--quant", default="none", choices=("none", "int8"), help="weight quantization")
     p.add_argument("--kv-dtype", default=None, choices=("bf16", "int8"),
                    help="KV cache dtype (default: the model dtype)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=_int_in(1, 1 << 20), default=1,
                    help="tensor-parallel over this many devices (random weights drawn into their shards); "
                         "the roofline columns stay those of the whole model on one device")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp on a mixture of experts: split the experts over the devices instead "
                         "of each expert's F")
     p.add_argument("--repeat", type=int, default=3, help="timed generate calls per run (median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0)
     p.add_argument("--trace-dir", help="record one profiled generate call per run under this directory")
     p.add_argument("--plot", help="PNG: decode tokens/s against batch beside the roofline (matplotlib)")
     p.add_argument("--measure-peaks", action="store_true",
                    help="first measure copy bandwidth and bf16 matmul rate, sustained and in a first "
                         "burst, with their clocks (in a child process)")
-    p.add_argument("--copy-tbps", type=float, help="measured copy bandwidth to compare with (TB/s)")
-    p.add_argument("--matmul-tflops", type=float, help="measured bf16 matmul rate to compare with")
+    p.add_argument("--copy-tbps", type=_rate_arg, help="measured copy bandwidth to compare with (TB/s)")
+    p.add_argument("--matmul-tflops", type=_rate_arg, help="measured bf16 matmul rate to compare with")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="turn off jaxllm's persistent compilation cache (cold compile times)")
     p.add_argument("--write-checkpoint", metavar="DIR",
@@ -158,11 +200,50 @@ def parse_args(argv):
         p.error("--new-tokens must be >= 2: a decode step is timed from the tokens after the first")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    # Paths, checked before any run: a bad one found after minutes of timing loses them.
+    if args.model is not None:
+        model = Path(args.model)
+        if not args.model.strip() or not model.exists():
+            p.error(f"--model: no model at {args.model!r}")
+    if args.write_checkpoint is not None:
+        out = Path(args.write_checkpoint)
+        if not args.write_checkpoint.strip():
+            p.error("--write-checkpoint: empty path")
+        if out.exists() and not out.is_dir():
+            p.error(f"--write-checkpoint: {out} exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            p.error(f"--write-checkpoint: {out} exists and is not empty")
+        if not out.exists() and (why := _unwritable(out, "--write-checkpoint")):
+            p.error(why)
+    if args.trace_dir is not None:
+        out = Path(args.trace_dir)
+        if not args.trace_dir.strip():
+            p.error("--trace-dir: empty path")
+        if out.exists() and not out.is_dir():
+            p.error(f"--trace-dir: {out} exists and is not a directory")
+        if why := _unwritable(out / "x", "--trace-dir"):
+            p.error(why)
+    if args.plot is not None:
+        out = Path(args.plot)
+        if not args.plot.strip() or out.is_dir():
+            p.error(f"--plot: {args.plot!r} is not a file name")
+        if why := _unwritable(out, "--plot"):
+            p.error(why)
+        if not out.absolute().parent.is_dir():
+            p.error(f"--plot {out}: no directory {out.absolute().parent}")
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
     # Refuse what the library cannot do yet rather than benchmark something else under its name.
     if args.kv_dtype == "bf16" and args.dtype != "bfloat16":
         p.error(f"--kv-dtype bf16 with --dtype {args.dtype} is not implemented yet in jaxllm "
                 "(the KV cache follows the model dtype)")
     return args
+
+
+def _usage_error(message: str) -> int:
+    """Bad input found after the flags were parsed: one line on stderr, as argparse's, exit 2."""
+    print(f"bench.py: error: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 def log(*parts):
@@ -528,7 +609,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
 # Plot
 
 
-def plot(results: list[dict], path: str):
+def plot(results: list[dict], path: str) -> bool:
+    """Write the plot; False (said on stderr) where it could not be written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -536,7 +618,7 @@ def plot(results: list[dict], path: str):
         import matplotlib.ticker
     except ImportError:
         log("bench: --plot needs matplotlib, which is not installed; no plot written")
-        return
+        return False
     ok = [r for r in results if not r.get("error")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for prompt_len in sorted({r["prompt_len"] for r in ok}):
@@ -556,8 +638,15 @@ def plot(results: list[dict], path: str):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as e:  # the directory went away, a full disk, an unknown suffix
+        log(f"bench: no plot written to {path}: {e}")
+        return False
+    finally:
+        plt.close(fig)
     log(f"bench: plot in {path}")
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,7 +669,11 @@ def main(argv=None) -> int:
         log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
         return 2
     if args.write_checkpoint:
-        print(json.dumps(write_checkpoint(args)), flush=True)
+        try:
+            written = write_checkpoint(args)
+        except ValueError as e:  # the directory filled since the flags were checked
+            return _usage_error(f"--write-checkpoint: {e}")
+        print(json.dumps(written), flush=True)
         return 0
 
     import jax
@@ -593,7 +686,10 @@ def main(argv=None) -> int:
     mesh = None
     if args.tp > 1:
         from jaxllm.sharding import make_mesh
-        mesh = make_mesh(args.tp)
+        try:
+            mesh = make_mesh(args.tp)
+        except ValueError as e:  # more devices than are visible
+            return _usage_error(f"--tp {args.tp}: {e}")
     loading = {}
     if args.model:
         files = checkpoint_files(args.model)
@@ -608,8 +704,11 @@ def main(argv=None) -> int:
                 log("bench: --fresh: the backend started before the load; its libraries stay cached")
             drop_from_page_cache(backend_library_files(), flush=False)
         t0 = time.perf_counter()
-        params, disk_gb = _disk_gb_during(lambda: _wait(jaxllm.load(
-            args.model, dtype=dtype, quant=args.quant, mesh=mesh, expert_parallel=args.expert_parallel)))
+        try:
+            params, disk_gb = _disk_gb_during(lambda: _wait(jaxllm.load(
+                args.model, dtype=dtype, quant=args.quant, mesh=mesh, expert_parallel=args.expert_parallel)))
+        except (ValueError, FileNotFoundError) as e:  # not a checkpoint, or not one for this mesh
+            return _usage_error(f"--model {args.model}: {e}")
         loading["load_s"] = time.perf_counter() - t0
         if args.cold:
             loading["disk_gb_read_in_load"] = disk_gb
@@ -624,10 +723,13 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if mesh is not None:
             from jaxllm.sharding import init_sharded
-            params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype,
-                                        expert_parallel=args.expert_parallel))
-            if args.quant == "int8":  # quantize_params names what sharded params lack
-                params = _wait(quant.quantize_params(params))
+            try:  # a shape the mesh cannot split, int8 of sharded params: named by the library
+                params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype,
+                                            expert_parallel=args.expert_parallel))
+                if args.quant == "int8":  # quantize_params names what sharded params lack
+                    params = _wait(quant.quantize_params(params))
+            except ValueError as e:
+                return _usage_error(f"--tp {args.tp}: {e}")
         else:  # int8: each matrix quantized as it is drawn, so the float model is never held whole
             params = _wait(presets.random_params(cfg, args.seed, dtype, quant=args.quant))
         log(f"bench: random {args.preset} weights{' in int8' if args.quant == 'int8' else ''} on "
@@ -656,8 +758,8 @@ def main(argv=None) -> int:
                               error=f"{type(e).__name__}: {e}")
             results.append(result)
             print(json.dumps(_finite(result), allow_nan=False, default=str), flush=True)
-    if args.plot:
-        plot(results, args.plot)
+    if args.plot and not plot(results, args.plot):
+        failed = True
     return 1 if failed else 0
 
 
