@@ -42,6 +42,9 @@ H200_HBM_BW = 4.8e12
 H200_COPY_BW = 4.3e12
 H200_BF16_MATMUL_FLOPS = 790e12
 
+# The largest batch, context or token count taken: int32, as the arrays that index them.
+MAX_SIZE = 2**31 - 1
+
 OPS = ("embed", "norms", "qkv", "attention", "o", "gate_up", "down", "router", "experts", "lm_head")
 
 
@@ -78,6 +81,9 @@ def analyze(cfg: ModelConfig, batch: int, context: int, tokens: int = 1, dtype="
         raise ValueError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if int(context) < 0:
         raise ValueError(f"context must be >= 0 cache positions, got {context}")
+    for label, value in (("batch", B), ("tokens", T), ("context", int(context))):
+        if value > MAX_SIZE:  # past it the counts overflow a float's conversion, and no step is that big
+            raise ValueError(f"{label} must be at most {MAX_SIZE} (int32), got {value}")
     for label, peak in (("peak_bw", peak_bw), ("peak_flops", peak_flops)):
         if not 0 < peak < math.inf:
             raise ValueError(f"{label} must be a positive, finite rate, got {peak}")
@@ -184,36 +190,59 @@ def _resident_param_bytes(cfg: ModelConfig, dtype, quantized: bool) -> int:
 
 
 def format_table(result: dict) -> str:
-    """A fixed-width table of `analyze`'s result, one row per operator class and a total."""
+    """A fixed-width table of `analyze`'s result, one row per operator class and a total; a column
+    widens where a number needs it (a huge batch or context), so the columns stay aligned."""
     s, t = result["setup"], result["totals"]
     head = (f"roofline {s['name'] or ''}  B={s['batch']} T={s['tokens']} S={s['context']}  "
             f"weights {s['dtype']}, KV {s['kv_dtype']}  peaks {s['peak_bw'] / 1e12:.2f} TB/s, "
             f"{s['peak_flops'] / 1e12:.0f} TFLOP/s")
-    cols = f"{'op':<10}{'GFLOP':>11}{'weights MB':>12}{'KV MB':>10}{'act MB':>10}{'FLOP/B':>9}" \
-           f"{'bound us':>11}{'share':>7}  limit"
-    lines = [head, cols, "-" * len(cols)]
-    for o in result["ops"]:
-        kv_mb = (o["kv_read_bytes"] + o["kv_write_bytes"]) / 1e6
-        lines.append(f"{o['op']:<10}{o['flops'] / 1e9:>11.2f}{o['weight_bytes'] / 1e6:>12.1f}{kv_mb:>10.1f}"
-                     f"{o['act_bytes'] / 1e6:>10.2f}{o['intensity']:>9.1f}{o['time_lb_s'] * 1e6:>11.1f}"
-                     f"{o['share'] * 100:>6.1f}%  {o['bound']}")
-    lines.append("-" * len(cols))
-    kv_mb = (t["kv_read_bytes"] + t["kv_write_bytes"]) / 1e6
-    lines.append(f"{'total':<10}{t['flops'] / 1e9:>11.2f}{t['weight_bytes'] / 1e6:>12.1f}{kv_mb:>10.1f}"
-                 f"{t['act_bytes'] / 1e6:>10.2f}{t['intensity']:>9.1f}{t['time_lb_s'] * 1e6:>11.1f}"
-                 f"{100.0:>6.1f}%")
+
+    def cells(name, r, share, bound):
+        kv_mb = (r["kv_read_bytes"] + r["kv_write_bytes"]) / 1e6
+        return [name, f"{r['flops'] / 1e9:.2f}", f"{r['weight_bytes'] / 1e6:.1f}", f"{kv_mb:.1f}",
+                f"{r['act_bytes'] / 1e6:.2f}", f"{r['intensity']:.1f}", f"{r['time_lb_s'] * 1e6:.1f}",
+                f"{share * 100:.1f}%", bound]
+
+    titles = ["op", "GFLOP", "weights MB", "KV MB", "act MB", "FLOP/B", "bound us", "share", "limit"]
+    widths = [10, 11, 12, 10, 10, 9, 11, 7, 0]  # the least each column takes, its gap included
+    body = [cells(o["op"], o, o["share"], o["bound"]) for o in result["ops"]]
+    total = cells("total", t, 1.0, "")
+    for row in [titles, *body, total]:
+        widths = [max(w, len(c) + (i > 0)) for i, (w, c) in enumerate(zip(widths, row))]
+
+    def line(row):
+        out = f"{row[0]:<{widths[0]}}" + "".join(f"{c:>{w}}" for c, w in zip(row[1:-1], widths[1:-1]))
+        return (out + f"  {row[-1]}").rstrip()
+
+    cols = line(titles)
+    rule = "-" * len(cols)
+    lines = [head, cols, rule, *map(line, body), rule, line(total)]
     lines.append(f"step >= {t['time_lb_s'] * 1e3:.3f} ms: at most {t['tokens_per_s_lb']:.0f} tokens/s "
                  f"in total; {t['bytes'] / 1e9:.3f} GB moved per step; resident weights "
                  f"{t['param_bytes'] / 1e9:.3f} GB, KV cache at S={s['context']} {t['kv_cache_bytes'] / 1e9:.3f} GB")
     return "\n".join(lines)
 
 
+def _size(least: int):
+    """An argparse type: an integer in [least, MAX_SIZE]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not least <= value <= MAX_SIZE:
+            shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
+            raise argparse.ArgumentTypeError(f"must be in [{least}, {MAX_SIZE}] (int32), got {shown}")
+        return value
+    return parse
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint directory")
-    p.add_argument("--batch", type=int, default=1, help="rows per step (B)")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--batch", type=_size(1), default=1, help="rows per step (B)")
+    p.add_argument("--context", type=_size(0), default=None,
                    help="cache positions filled after the step (S); default: --tokens")
-    p.add_argument("--tokens", type=int, default=1, help="new tokens per row (T): 1 for a decode step")
+    p.add_argument("--tokens", type=_size(1), default=1, help="new tokens per row (T): 1 for a decode step")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16, float16, float32, int8")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the activations' dtype)")
     p.add_argument("--peak-bw", type=float, default=H200_HBM_BW, help="bytes/s (default: H200 datasheet)")

@@ -31,6 +31,7 @@ import sys
 import threading
 import types
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, NamedTuple
 
@@ -116,8 +117,7 @@ def trace(log_dir: str | os.PathLike, *, detail: bool = False, perfetto: bool = 
     inside (`jax.block_until_ready`): work still queued when the block exits is cut off.
     `detail=True` adds Python call stacks and verbose host events.
     """
-    info = Trace(Path(log_dir), detail=detail)
-    info.log_dir.mkdir(parents=True, exist_ok=True)
+    info = Trace(_log_dir(log_dir), detail=detail)
     before = set(_run_dirs(info.log_dir))
     jax.profiler.start_trace(str(info.log_dir), create_perfetto_trace=perfetto,
                              profiler_options=profile_options(detail))
@@ -138,6 +138,11 @@ def trace_steady(fn: Callable[[], Any], log_dir: str | os.PathLike, *, warmup: i
     Each call is blocked on, so the trace holds whole calls and nothing of the warm-up.
     The returned `Trace` carries the last call's result in `.output`.
     """
+    if not callable(fn):
+        raise TypeError(f"trace_steady's fn must be a function of no arguments, got {type(fn).__name__}")
+    warmup = _count("warmup", warmup, least=0)
+    runs = _count("runs", runs, least=1)  # no run traced: an empty trace, refused only by summary()
+    log_dir = _log_dir(log_dir)  # before the warm-up: a bad path is found before minutes of work
     if warmup < 1:
         warnings.warn("trace_steady(warmup=0): compilation will be part of the trace", stacklevel=2)
     with kernel_view():
@@ -147,6 +152,30 @@ def trace_steady(fn: Callable[[], Any], log_dir: str | os.PathLike, *, warmup: i
             for _ in range(runs):
                 info.output = jax.block_until_ready(fn())
     return info
+
+
+def _count(name: str, value, least: int) -> int:
+    """`value` as an int >= least; a TypeError or ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return value
+
+
+def _log_dir(log_dir) -> Path:
+    """The trace directory, made if missing; a ValueError naming it where it cannot be."""
+    path = Path(log_dir)
+    if not str(log_dir).strip():
+        raise ValueError("empty trace directory: give the directory to write the trace under")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory: a trace is a directory of runs")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, a read-only disk
+        raise ValueError(f"cannot make the trace directory {path}: {e.strerror or e}") from None
+    return path
 
 
 def _run_dirs(log_dir: Path) -> list[Path]:
@@ -238,14 +267,18 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
     `.trace.json.gz` file. Shares are of the time of all ops. An op's time excludes ops nested in
     it, and loops and calls are left out: their bodies' ops are counted instead.
     """
+    if top is not None:
+        top = _count("top", top, least=0)
     run_dir, json_files = _trace_files(Path(trace_dir))
     modules = _hlo_modules(run_dir)
     times: dict[tuple[_Module | None, str], float] = collections.defaultdict(float)
     device = False
     for f in json_files:
-        with gzip.open(f, "rt") as fh:
-            events = json.load(fh).get("traceEvents", [])
-        timed, on_device = _own_times(events)
+        events = _read_events(f)
+        try:
+            timed, on_device = _own_times(events)
+        except (KeyError, TypeError, AttributeError) as e:  # events without the fields Chrome's have
+            raise ValueError(f"{f}: not a Chrome trace of XLA ops (an event lacks or mangles {e})") from None
         device |= on_device
         for (module, op), secs in _attribute(timed, modules).items():
             opcode = module.opcode(op) if module else ""
@@ -277,6 +310,22 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
 
 def _fmt_s(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _read_events(f: Path) -> list[dict]:
+    """The `traceEvents` of a gzipped Chrome trace; a ValueError naming the file if it is none."""
+    try:
+        with gzip.open(f, "rt") as fh:
+            data = json.load(fh)
+    except (OSError, EOFError, zlib.error, ValueError) as e:  # not gzip, cut short, damaged, not JSON
+        hint = (": summarize reads the *.trace.json.gz beside it (give the run folder)"
+                if f.name.endswith(".xplane.pb") else "")
+        raise ValueError(f"{f} is not a gzipped Chrome trace (.trace.json.gz){hint}: {e}") from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else None
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError(f"{f} is not a Chrome trace: want an object whose traceEvents is a list of "
+                         "event objects")
+    return events
 
 
 def _trace_files(path: Path) -> tuple[Path, list[Path]]:

@@ -284,3 +284,80 @@ def test_generate_loops_on_the_host_while_a_trace_needs_its_kernels(monkeypatch)
     assert gen._core() is gen._generate_core
     monkeypatch.setenv("JAXLLM_LOOP_GRAPH", "0")
     assert gen._core() is gen._generate_core_host_loop
+
+
+# --- bad input: a ValueError or TypeError naming it, before any work ------------------------------
+
+
+def test_summarize_refuses_a_negative_or_non_integer_top(traced):
+    every = summarize(traced.log_dir, top=None)
+    assert len(summarize(traced.log_dir, top=len(every) + 5)) == len(every)
+    with pytest.raises(ValueError, match="top must be >= 0, got -1"):  # not every op but the last
+        summarize(traced.log_dir, top=-1)
+    with pytest.raises(TypeError, match="top must be an integer"):
+        summarize(traced.log_dir, top=2.5)
+    with pytest.raises(TypeError, match="top must be an integer"):
+        traced.summary(top="5")
+
+
+def _gz(path, payload: bytes):
+    with gzip.open(path, "wb") as f:
+        f.write(payload)
+    return path
+
+
+def test_summarize_names_a_file_that_is_no_chrome_trace(traced, tmp_path):
+    xplane = next(traced.run_dir.glob("*.xplane.pb"))
+    with pytest.raises(ValueError, match=r"xplane\.pb is not a gzipped Chrome trace.*run folder"):
+        summarize(xplane)
+    damaged = tmp_path / "damaged.trace.json.gz"
+    damaged.write_bytes(next(traced.run_dir.glob("*.trace.json.gz")).read_bytes()[:200])  # cut short
+    with pytest.raises(ValueError, match="damaged.trace.json.gz is not a gzipped Chrome trace"):
+        summarize(damaged)
+    garbage = tmp_path / "garbage.trace.json.gz"
+    garbage.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)  # a gzip header, then noise
+    with pytest.raises(ValueError, match="garbage.trace.json.gz"):
+        summarize(garbage)
+    not_json = _gz(tmp_path / "text.trace.json.gz", b"hello")
+    with pytest.raises(ValueError, match="text.trace.json.gz is not a gzipped Chrome trace"):
+        summarize(not_json)
+    for i, payload in enumerate([b"[1, 2]", b'{"traceEvents": {"a": 1}}', b'{"traceEvents": [1]}',
+                                 b'{"traceEvents": [{"ph": "X", "dur": 3, "name": "x"}]}']):
+        wrong = _gz(tmp_path / f"shape{i}.trace.json.gz", payload)
+        with pytest.raises(ValueError, match=f"shape{i}.trace.json.gz"):
+            summarize(wrong)
+
+
+def test_trace_refuses_a_file_as_its_directory(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    with pytest.raises(ValueError, match=f"{a_file} exists and is not a directory"):
+        with jaxllm.trace(a_file):
+            pass
+    with pytest.raises(ValueError, match="cannot make the trace directory"):
+        with trace(a_file / "sub"):
+            pass
+    assert a_file.read_text() == "keep"
+
+
+def test_trace_steady_refuses_bad_arguments_before_calling_anything(tmp_path):
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return jnp.zeros(())
+    for kwargs, error, message in [
+            (dict(runs=0), ValueError, "runs must be >= 1, got 0"),
+            (dict(runs=-1), ValueError, "runs must be >= 1, got -1"),
+            (dict(runs=1.5), TypeError, "runs must be an integer"),
+            (dict(warmup=-1), ValueError, "warmup must be >= 0"),
+            (dict(warmup="1"), TypeError, "warmup must be an integer")]:
+        with pytest.raises(error, match=message):
+            trace_steady(fn, tmp_path / "t", **kwargs)
+    with pytest.raises(TypeError, match="fn must be a function"):
+        trace_steady(None, tmp_path / "t")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        trace_steady(fn, a_file)
+    assert calls == [] and not (tmp_path / "t" / "plugins").exists()
