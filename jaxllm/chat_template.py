@@ -315,7 +315,7 @@ class _Worker:
     def render(cls, payload: bytes) -> dict:
         with cls._turns:  # a render waits here only while RENDER_PROCESSES others are under way
             worker = None
-            try:
+            try:  # an idle child, or a new one (whose failure to start is the caller's error)
                 with cls._lock:
                     worker = cls._idle.pop() if cls._idle else None
                 if worker is None or worker.process.poll() is not None:
@@ -323,6 +323,11 @@ class _Worker:
                         worker.stop()
                     worker = None
                     worker = cls()
+            except BaseException:  # Ctrl-C with a child popped: it is not left out of the pool running
+                if worker is not None:
+                    worker.stop()
+                raise
+            try:
                 deadline = time.monotonic() + RENDER_SECONDS
                 worker.send(payload, deadline)
                 (size,) = struct.unpack("<Q", worker.receive(8, deadline))
@@ -339,8 +344,7 @@ class _Worker:
                 raise ChatTemplateError(f"the chat template's render process ended ({how}) without a "
                                         "reply") from None
             except BaseException:  # Ctrl-C or anything else mid-exchange: the stream is out of step
-                if worker is not None:
-                    worker.stop()
+                worker.stop()
                 raise
             with cls._lock:
                 idle = not (reply.get("ended") or worker.stopped)  # out of memory, or stop_all's

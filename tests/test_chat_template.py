@@ -102,6 +102,25 @@ def test_an_interrupt_while_a_render_process_starts_leaves_no_pipe_open(monkeypa
     assert render(2) == "x2"
 
 
+def test_a_render_process_that_cannot_start_is_named(monkeypatch):
+    """No Python to start (sys.executable empty) or an OSError from Popen: a ChatTemplateError
+    saying so, and the next render, with both back, works (the pool's first version raised an
+    AttributeError here)."""
+    _Worker.stop_all()
+    monkeypatch.setattr(chat_template.sys, "executable", "")
+    with pytest.raises(ChatTemplateError, match="does not know its own executable"):
+        render(1)
+    monkeypatch.undo()
+
+    def refused(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(chat_template.subprocess, "Popen", refused)
+    with pytest.raises(ChatTemplateError, match="could not be started: .*Too many open files"):
+        render(2)
+    monkeypatch.undo()
+    assert render(3) == "x3"
+
+
 def test_renders_work_with_over_a_thousand_files_open():
     """select() refused file descriptors past 1023, so a busy server could not render at all."""
     import resource
