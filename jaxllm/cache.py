@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import INT32_MAX, ModelConfig
 
 
 @struct.dataclass
@@ -45,7 +45,7 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16,
         hint = " (params.config)" if hasattr(config, "config") else ""
         raise TypeError(f"init_cache takes the model's ModelConfig{hint}, got {type(config).__name__}")
     for name, n in (("batch", batch), ("length", length)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= 2 ** 31 - 1:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= INT32_MAX:
             raise ValueError(f"cache {name} must be a whole number >= 1 and at most 2**31 - 1 (slots and rows "
                              f"are int32), got {n!r}")
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):

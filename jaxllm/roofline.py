@@ -31,7 +31,7 @@ import sys
 
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import INT32_MAX, ModelConfig
 from jaxllm.params import abstract_params, param_bytes
 from jaxllm.presets import PRESETS, get_config
 
@@ -43,7 +43,7 @@ H200_COPY_BW = 4.3e12
 H200_BF16_MATMUL_FLOPS = 790e12
 
 # The largest batch, context or token count taken: int32, as the arrays that index them.
-MAX_SIZE = 2**31 - 1
+MAX_SIZE = INT32_MAX
 
 OPS = ("embed", "norms", "qkv", "attention", "o", "gate_up", "down", "router", "experts", "lm_head")
 

@@ -13,12 +13,11 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from jaxllm.config import FLOAT32_MAX, INT32_MAX
 from jaxllm.env import env_number
 
 
-INT32_MAX = 2 ** 31 - 1
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def number(name: str, value) -> float:
