@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm import sharding
+from jaxllm import paths, sharding
 from jaxllm.config import ModelConfig, RopeConfig, read_json_object
 from jaxllm.params import Params, abstract_params, layer_specs, leaf_paths, top_specs
 from jaxllm.quant import QuantizedWeight, is_quantized, quantize_params
@@ -141,7 +141,7 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
         raise ValueError("these params repeat KV heads for their mesh; save them from a mesh whose "
                          "tp size divides the KV heads (or from one device)")
     directory = Path(directory).absolute()
-    _writable_empty(directory)
+    paths.make_empty_dir(directory)
     tree = _to_tree(params)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(directory / "params", tree)
@@ -154,18 +154,6 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
     return directory
 
 
-def _writable_empty(directory: Path) -> None:
-    """Make `directory` (new, or empty), or a ValueError saying why it cannot hold a checkpoint."""
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{directory} exists and is not a directory")
-    if directory.exists() and any(directory.iterdir()):
-        raise ValueError(f"{directory} exists and is not empty")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{directory} cannot be made: {e.strerror or e}") from None
-
-
 def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
             quant: str = "none") -> Path:
     """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model) on one
@@ -174,7 +162,7 @@ def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None
     from jaxllm.loader import load
     from jaxllm.tokenizer import load_tokenizer
 
-    _writable_empty(Path(dst).absolute())  # before the load, which may take minutes
+    paths.make_empty_dir(Path(dst).absolute())  # before the load, which may take minutes
     out = save(load(src, dtype=dtype, mesh=mesh, quant=quant), dst)
     try:  # beside the weights, so DST alone serves `jaxllm generate --model DST`
         tok = load_tokenizer(src)
@@ -276,13 +264,15 @@ def _read(directory: Path, target: dict, saved: dict[str, np.dtype], digests: di
                          f"model does not have {unread[:3]}: convert it again")
     as_saved = {n: jax.ShapeDtypeStruct(t.shape, saved.get(n, t.dtype), sharding=t.sharding) for n, t in named}
     size = {n: int(np.prod(s.shape)) * s.dtype.itemsize for n, s in as_saved.items()}
-    parts, part = [], []
+    parts, part, held = [], [], 0
     casts = any(as_saved[n].dtype != t.dtype for n, t in named)
+    share = sum(size.values()) / CAST_PARTS
     for n, _ in named:  # consecutive arrays (a layer's lie together) up to the part's share of bytes
-        if part and casts and sum(size[m] for m in part) + size[n] > sum(size.values()) / CAST_PARTS:
+        if part and casts and held + size[n] > share:
             parts.append(part)
-            part = []
+            part, held = [], 0
         part.append(n)
+        held += size[n]
     parts.append(part)
     done, wanted = {}, dict(named)
     for part in parts:

@@ -31,3 +31,16 @@ def cache_dir() -> Path:
         return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg).expanduser() / "jaxllm" if xdg else Path.home() / ".cache" / "jaxllm"
+
+
+def make_empty_dir(directory: Path) -> None:
+    """Make `directory` (new, or empty) for a checkpoint to be written into, or a ValueError saying
+    why it cannot be: writing into another model's files would leave two models mixed."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} exists and is not a directory")
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} exists and is not empty")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{directory} cannot be made: {e.strerror or e}") from None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.paths import make_empty_dir
 from jaxllm.params import Params, abstract_params, leaf_paths, named_specs
 from jaxllm.quant import QUANT_MODES, QuantizedWeight, quantize, quantize_leaf
 
@@ -237,11 +238,7 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
     from safetensors.numpy import save_file
 
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()):
-        raise ValueError(f"{path} exists and is not empty")
-    path.mkdir(parents=True, exist_ok=True)
+    make_empty_dir(path)
     dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)
     block = (scale * rng.standard_normal((1 << 22) + (1 << 20), np.float32)).astype(dtype)
