@@ -3,6 +3,7 @@
 
     python scripts/bench.py --preset llama3-8b --batch 1,8,32 --prompt-len 128 --new-tokens 256
     python scripts/bench.py --preset llama3-8b --context 512,8192       # decode cost vs context
+    python scripts/bench.py --preset llama3-8b --batch 32 --measure-floor  # vs its reads as one array
     python scripts/bench.py --model path/to/hf_dir --measure-peaks --plot bench.png
     python scripts/bench.py --preset llama3-8b --write-checkpoint /tmp/ck   # random, HF layout
     python scripts/bench.py --model /tmp/ck --cold --load-only              # load against disk
@@ -33,6 +34,7 @@ JSON keys (times in the unit their name says; null when not available on this de
   prefill_sm_mhz, prefill_sm_mhz_min, prefill_power_w, prefill_power_capped_pct,
   decode_sm_mhz, decode_sm_mhz_min, decode_power_w, decode_power_capped_pct,
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
+  floor_ms, floor_tokens_per_s, floor_sm_mhz, pct_of_floor,
   activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
 read after the timed generate calls, before the prefill is timed on its own. It includes what
@@ -61,6 +63,13 @@ phase was timed: copy and matmul (the probes, with --measure-peaks, on one devic
 decode (the timed generate calls). With --tp N the prefill's and decode's are the N devices' in
 step: each reading the lowest clock among them, the highest power, and held down where any one
 was (jaxllm.telemetry.slowest). Null without NVML (a CPU, or no nvidia-ml-py).
+With --measure-floor, a child process first times each run's decode reads (the roofline's weight
+and KV bytes at the mean context) as XLA reads bytes fastest: random bf16 of the same size, one
+array, one row reduction a step, in a jitted loop compiled as generate's (one CUDA graph), timed
+after SUSTAIN_S as the peaks are. floor_ms is that time: no read of those bytes measured on an
+H200 ran faster (copies, other kernels), so it is the floor of any step that reads them, at the
+clock it ran at (floor_sm_mhz); floor_tokens_per_s the rate it would give; pct_of_floor the
+measured step against it. A step of many kernels adds their boundaries to it. Null without the flag.
 source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
 """
 
@@ -87,6 +96,10 @@ MATMUL_PROBE_N = 8192
 # The probes and the prefill are timed after this much of the same work; generate's calls of a
 # large model last longer themselves.
 SUSTAIN_S = 0.5
+# The floor probe's loop: steps a call (so that a call of a small model outlasts its launch), and
+# the row its reduction sums (whole rows of random bf16, the bytes rounded up to them).
+FLOOR_STEPS = 16
+FLOOR_ROW = 1024
 CLOCK_KEYS = ("sm_mhz", "sm_mhz_min", "power_w", "power_capped_pct")  # of telemetry's summary
 
 
@@ -169,6 +182,9 @@ def parse_args(argv):
     p.add_argument("--measure-peaks", action="store_true",
                    help="first measure copy bandwidth and bf16 matmul rate, sustained and in a first "
                         "burst, with their clocks (in a child process)")
+    p.add_argument("--measure-floor", action="store_true",
+                   help="first time each run's decode reads (weights, KV cache) as one array read "
+                        "by one XLA reduction: the step's floor (in a child process)")
     p.add_argument("--copy-tbps", type=_rate_arg, help="measured copy bandwidth to compare with (TB/s)")
     p.add_argument("--matmul-tflops", type=_rate_arg, help="measured bf16 matmul rate to compare with")
     p.add_argument("--no-compile-cache", action="store_true",
@@ -186,8 +202,9 @@ def parse_args(argv):
     p.add_argument("--load-only", action="store_true",
                    help="with --model: print the load's JSON line and stop")
     p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--floor-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.peaks_probe:
+    if args.peaks_probe or args.floor_probe:
         return args
     if not (args.preset or args.model):
         p.error("give --preset NAME or --model PATH")
@@ -196,6 +213,8 @@ def parse_args(argv):
     if (args.cold or args.fresh or args.load_only) and not args.model:
         p.error("--cold, --fresh and --load-only time the loading of --model")
     args.cold = args.cold or args.fresh
+    if args.measure_floor and args.tp > 1:
+        p.error("--measure-floor times one device's reads; it does not take --tp")
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2: a decode step is timed from the tokens after the first")
     if args.repeat < 1:
@@ -341,6 +360,63 @@ def probe_peaks() -> dict:
     return peaks
 
 
+def measure_floor(nbytes: int) -> dict:
+    """Milliseconds to read `nbytes` of random bf16 as one array, one row reduction a step (each
+    step's reduction scaled by the last one's result, so that the steps run in turn), in a jitted
+    loop of FLOOR_STEPS steps compiled as generate's token loop, timed as `_sustained` times the
+    peaks; and the clock meanwhile."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.generate import LOOP_GRAPH_OPTIONS
+
+    def read(w):
+        def body(_, s):
+            r = jnp.sum(w * s.astype(w.dtype), axis=1, dtype=jnp.float32)
+            # Read at a run-time index, so that XLA cannot narrow the reduction to one row.
+            return jax.lax.dynamic_index_in_dim(r, (s > 1e30).astype(jnp.int32), keepdims=False) * 1e-30 + 1.0
+        return jax.lax.fori_loop(0, FLOOR_STEPS, body, jnp.float32(1.0))
+
+    loop = jax.jit(read, compiler_options=LOOP_GRAPH_OPTIONS)
+    w = jax.random.normal(jax.random.key(2), (-(-nbytes // (2 * FLOOR_ROW)), FLOOR_ROW), jnp.bfloat16)
+    seconds, clock = _sustained(lambda: loop(w), _rate(lambda: loop(w), calls=1))
+    return dict(floor_ms=seconds / FLOOR_STEPS * 1e3, floor_sm_mhz=clock.summary()["sm_mhz"])
+
+
+def probe_floor(runs: dict) -> dict:
+    """measure_floor in a child process for each run's bytes ({name: bytes}), before this process
+    touches the device, so that its buffers never share this process's memory."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--floor-probe"], env=env,
+                          input=json.dumps(runs), stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        log(f"bench: the floor probe failed (exit {proc.returncode}); no floor in the results")
+        return {}
+    floors = json.loads(lines[-1])
+    for name, f in floors.items():
+        log(f"bench: floor of {name}: its {runs[name] / 1e9:.3f} GB read in {f['floor_ms']:.4f} ms")
+    return floors
+
+
+def _floor_name(batch: int, prompt_len: int) -> str:
+    return f"batch {batch}, prompt {prompt_len}"
+
+
+def floor_reads(args) -> dict:
+    """Each run's decode reads (weights and KV cache) for `probe_floor`, as `run_one` counts them."""
+    from jaxllm import presets, roofline
+    cfg = presets.get_config(args.preset or args.model)
+    weights = "int8" if args.quant == "int8" else args.dtype
+    kv_store = "int8" if args.kv_dtype == "int8" else args.dtype
+    runs = {}
+    for p in args.prompt_len:
+        for b in args.batch:
+            t = roofline.analyze(cfg, b, p + args.new_tokens // 2, 1, weights, kv_store)["totals"]
+            runs[_floor_name(b, p)] = t["weight_bytes"] + t["kv_read_bytes"]
+    return runs
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoints: writing one, and the disk's rate against the load's
 
@@ -475,7 +551,8 @@ def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=N
                 bytes_limit=stats.get("bytes_limit"), peak_pct_of_need=peak and 100 * peak / need)
 
 
-def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict) -> dict:
+def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
+            floor: dict) -> dict:
     import jax
     import numpy as np
 
@@ -584,6 +661,9 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         power_limit_w=prefill_clock.power_limit_w,
         decode_roofline_ms=dt["time_lb_s"] * 1e3, pct_of_roofline=100 * dt["time_lb_s"] / decode_s,
         roofline_tokens_per_s=dt["tokens_per_s_lb"],
+        floor_ms=floor.get("floor_ms"), floor_sm_mhz=floor.get("floor_sm_mhz"),
+        floor_tokens_per_s=batch / floor["floor_ms"] * 1e3 if floor else None,
+        pct_of_floor=100 * floor["floor_ms"] / (decode_s * 1e3) if floor else None,
         **memory, error=None)
 
     log(roofline.format_table(dec))
@@ -591,7 +671,9 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict)
         f"{achieved / 1e12:.2f} TB/s ({result['pct_peak_bw']:.0f}% of {peak_bw / 1e12:.1f}"
         + (f", {result['pct_copy_bw']:.0f}% of the measured copy {copy_bw / 1e12:.2f}" if copy_bw else "")
         + f"); {batch / decode_s:.0f} tokens/s in total; prefill {prefill_s * 1e3:.2f} ms "
-        f"({result['prefill_tflops']:.0f} TFLOP/s); first call {first_call_s:.2f} s")
+        f"({result['prefill_tflops']:.0f} TFLOP/s); first call {first_call_s:.2f} s"
+        + (f"; its reads alone as one array {floor['floor_ms']:.3f} ms ({result['pct_of_floor']:.0f}% "
+           f"of the step, at most {result['floor_tokens_per_s']:.0f} tokens/s)" if floor else ""))
 
     if args.trace_dir:
         run_dir = Path(args.trace_dir) / f"{(label['preset'] or Path(label['model']).name)}-b{batch}-p{prompt_len}"
@@ -657,12 +739,23 @@ def main(argv=None) -> int:
     if args.peaks_probe:
         print(json.dumps(measure_peaks()), flush=True)
         return 0
+    if args.floor_probe:
+        runs = json.loads(sys.stdin.read())
+        print(json.dumps({name: measure_floor(n) for name, n in runs.items()}), flush=True)
+        return 0
     if args.no_compile_cache:
         os.environ["JAXLLM_NO_COMPILE_CACHE"] = "1"  # read when jaxllm is imported, below
     # Before this process touches the device: the probe's buffers then never share its memory.
     peaks = probe_peaks() if args.measure_peaks else {}
     peaks.setdefault("copy_tbps", args.copy_tbps)
     peaks.setdefault("matmul_tflops", args.matmul_tflops)
+    if args.measure_floor:
+        try:
+            floors = probe_floor(floor_reads(args))
+        except ValueError as e:  # a checkpoint whose config cannot be read
+            return _usage_error(f"--measure-floor: {e}")
+    else:
+        floors = {}
 
     from jaxllm import presets
     if (args.write_checkpoint or not args.model) and args.preset not in presets.PRESETS:
@@ -750,7 +843,8 @@ def main(argv=None) -> int:
     for prompt_len in args.prompt_len:
         for batch in args.batch:
             try:
-                result = run_one(params, label, batch, prompt_len, args, peaks)
+                result = run_one(params, label, batch, prompt_len, args, peaks,
+                                 floors.get(_floor_name(batch, prompt_len), {}))
             except Exception as e:  # one failed shape (out of memory, over the context) ends only that run
                 failed = True
                 log(f"bench: batch {batch}, prompt {prompt_len} failed: {type(e).__name__}: {e}")

@@ -82,6 +82,8 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
         # Without --measure-peaks or memory stats on the CPU, these stay null rather than guessed.
         assert r["copy_tbps"] is None and r["pct_copy_bw"] is None and r["peak_bytes_in_use"] is None
         assert r["peak_pct_of_need"] is None
+        assert all(r[k] is None for k in ("floor_ms", "floor_tokens_per_s", "floor_sm_mhz",
+                                          "pct_of_floor"))
         # No NVML on a CPU: the clocks of each phase are null, not zeros.
         assert all(r[f"{phase}_{k}"] is None for phase in ("copy", "matmul", "prefill", "decode")
                    for k in ("sm_mhz", "sm_mhz_min", "power_w", "power_capped_pct"))
@@ -391,6 +393,33 @@ def test_random_params_allocate_every_buffer_before_drawing(quant_mode, monkeypa
 # Roofline against a hand count.
 
 
+def test_bench_floor_times_each_runs_reads_against_its_step():
+    """--measure-floor: each run's line carries the time of reading its decode bytes as one array,
+    the rate that gives and its share of the measured step; the probe names the bytes it read."""
+    proc = _bench("--preset", "tiny", "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "16",
+                  "--repeat", "1", "--measure-floor")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["batch"] for r in runs] == [1, 2]
+    for r in runs:
+        assert isinstance(r["floor_ms"], float) and r["floor_ms"] > 0, r["floor_ms"]
+        assert r["floor_tokens_per_s"] == pytest.approx(r["batch"] / r["floor_ms"] * 1e3)
+        assert r["pct_of_floor"] == pytest.approx(100 * r["floor_ms"] / r["decode_ms_per_step"])
+        assert r["floor_sm_mhz"] is None  # no NVML on a CPU
+        t = roofline.analyze(presets.PRESETS["tiny"], r["batch"], 8 + 16 // 2)["totals"]
+        gb = (t["weight_bytes"] + t["kv_read_bytes"]) / 1e9
+        assert f"bench: floor of batch {r['batch']}, prompt 8: its {gb:.3f} GB read in" in proc.stderr
+
+
+def test_floor_probe_reads_the_bytes_it_is_given(monkeypatch):
+    """measure_floor at toy sizes: a positive time for any byte count, a partial row included."""
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "SUSTAIN_S", 0.05)
+    for nbytes in (2 * bench.FLOOR_ROW, 3 * bench.FLOOR_ROW + 6):
+        f = bench.measure_floor(nbytes)
+        assert isinstance(f["floor_ms"], float) and f["floor_ms"] > 0 and f["floor_sm_mhz"] is None
+
+
 def test_roofline_llama3_8b_batch1_decode_by_hand():
     cfg = presets.PRESETS["llama3-8b"]
     S = 256
@@ -533,6 +562,7 @@ def _refused(proc, message):
     (["--batch", str(2**31)], "integers >= 1 and <="),
     (["--plot", "/nonexistent_dir_fixF/bench.png"], "--plot /nonexistent_dir_fixF/bench.png"),
     (["--tp", "2"], "needs 2 devices"),  # one CPU device here
+    (["--tp", "2", "--measure-floor"], "--measure-floor times one device's reads"),
 ])
 def test_bench_refuses_bad_flags_before_any_run(flags, message):
     _refused(_bench("--preset", "tiny", *flags, timeout=120), message)
