@@ -344,16 +344,25 @@ def measure_peaks() -> dict:
                 power_limit_w=mm_clock.power_limit_w, device=jax.devices()[0].device_kind)
 
 
-def probe_peaks() -> dict:
-    """measure_peaks in a child process, so its buffers stay out of this process's peak memory."""
+def _child_probe(flag: str, fallback: str, stdin: str | None = None) -> dict | None:
+    """This script run again with a probe's `flag`, before this process touches the device, so
+    that the probe's buffers never share its memory: the JSON of its last line, or None, logged
+    with what the results do without it (`fallback`)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--peaks-probe"], env=env,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), flag], env=env, input=stdin,
                           stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode or not lines:
-        log(f"bench: the peaks probe failed (exit {proc.returncode}); comparing with the datasheet only")
+        log(f"bench: the {flag[2:].replace('-', ' ')} failed (exit {proc.returncode}); {fallback}")
+        return None
+    return json.loads(lines[-1])
+
+
+def probe_peaks() -> dict:
+    """measure_peaks in a child process (`_child_probe`)."""
+    peaks = _child_probe("--peaks-probe", "comparing with the datasheet only")
+    if peaks is None:
         return {}
-    peaks = json.loads(lines[-1])
     log(f"bench: measured on {peaks['device']}: copy {peaks['copy_tbps']:.2f} TB/s "
         f"({peaks['copy_tbps_burst']:.2f} in a first burst), bf16 matmul {peaks['matmul_tflops']:.0f} "
         f"TFLOP/s ({peaks['matmul_tflops_burst']:.0f}), at {peaks['matmul_sm_mhz'] or '?'} MHz")
@@ -384,16 +393,10 @@ def measure_floor(nbytes: int) -> dict:
 
 
 def probe_floor(runs: dict) -> dict:
-    """measure_floor in a child process for each run's bytes ({name: bytes}), before this process
-    touches the device, so that its buffers never share this process's memory."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--floor-probe"], env=env,
-                          input=json.dumps(runs), stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode or not lines:
-        log(f"bench: the floor probe failed (exit {proc.returncode}); no floor in the results")
+    """measure_floor in a child process (`_child_probe`) for each run's bytes ({name: bytes})."""
+    floors = _child_probe("--floor-probe", "no floor in the results", json.dumps(runs))
+    if floors is None:
         return {}
-    floors = json.loads(lines[-1])
     for name, f in floors.items():
         log(f"bench: floor of {name}: its {runs[name] / 1e9:.3f} GB read in {f['floor_ms']:.4f} ms")
     return floors
