@@ -406,16 +406,25 @@ def _floor_name(batch: int, prompt_len: int) -> str:
     return f"batch {batch}, prompt {prompt_len}"
 
 
+def _roofline_dtypes(args, dtype) -> tuple:
+    """The roofline's names for a run's weights ("int8" for int8 weights) and its KV cache."""
+    return ("int8" if args.quant == "int8" else dtype), ("int8" if args.kv_dtype == "int8" else dtype)
+
+
+def _decode_context(prompt_len: int, new_tokens: int) -> int:
+    """The mean context of a run's decode steps: the one its decode step is counted at."""
+    return prompt_len + new_tokens // 2
+
+
 def floor_reads(args) -> dict:
     """Each run's decode reads (weights and KV cache) for `probe_floor`, as `run_one` counts them."""
     from jaxllm import presets, roofline
     cfg = presets.get_config(args.preset or args.model)
-    weights = "int8" if args.quant == "int8" else args.dtype
-    kv_store = "int8" if args.kv_dtype == "int8" else args.dtype
+    weights, kv_store = _roofline_dtypes(args, args.dtype)
     runs = {}
     for p in args.prompt_len:
         for b in args.batch:
-            t = roofline.analyze(cfg, b, p + args.new_tokens // 2, 1, weights, kv_store)["totals"]
+            t = roofline.analyze(cfg, b, _decode_context(p, args.new_tokens), 1, weights, kv_store)["totals"]
             runs[_floor_name(b, p)] = t["weight_bytes"] + t["kv_read_bytes"]
     return runs
 
@@ -627,9 +636,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     matmul_flops = (peaks.get("matmul_tflops") or roofline.H200_BF16_MATMUL_FLOPS / 1e12) * 1e12 * devices
     peak_bw = DATASHEET_BW * devices
     dtype = params.dtype
-    weights = "int8" if args.quant == "int8" else dtype  # the roofline's name for int8 weights
-    context = prompt_len + new // 2
-    kv_store = "int8" if kv_dtype else dtype
+    weights, kv_store = _roofline_dtypes(args, dtype)
+    context = _decode_context(prompt_len, new)
     dec = roofline.analyze(cfg, batch, context, 1, weights, kv_store, peak_bw=peak_bw,
                            peak_flops=matmul_flops, name=label["preset"] or label["model"])
     pre = roofline.analyze(cfg, batch, prompt_len, prompt_len, weights, kv_store, peak_bw=peak_bw,
