@@ -285,17 +285,18 @@ class DigitRow:
 
 
 @functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out"))
-def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_P2R, *,
+def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
                      window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
                      interpret: bool = False, split_out: bool = False):
-    """One new token per row, in one kernel: rotate its q and k, write k and v at slot `cursor`,
-    and attend over the row's live slots (start_b .. cursor, the last `window` if given).
+    """One new token per row, in one kernel: rotate its q and k, write k and v at the row's slot
+    end_b, and attend over the row's live slots (start_b .. end_b, the last `window` if given).
+    Each row takes its own end, as its own start (`cache.KVCache`: rows end where they may).
 
     qkv [B, K, G+2, H] is the projection's output per KV head (G queries, then k, then v), before
     the optional per-head RMSNorm (Qwen3's q_norm/k_norm, [H]) and the rotation, whose cos and sin
     (float32, any attention factor included) the kernel takes from a table by position,
     [positions, 2, H/2] (`model.rotation_table`; row b's new token sits at position
-    cursor - start_b), which `generate` makes once before its loop. The caches [B, K, S, H]
+    end_b - start_b), which `generate` makes once before its loop. The caches [B, K, S, H]
     are updated in place (their buffers aliased to the outputs). Returns (out [B, K, G, H], k, v);
     with `split_out`, out is a `SplitHeads` when the cache took more than one split.
     Scores, softmax and the weighted sum run in float32. Jitted, so the layers of a model share
@@ -322,10 +323,10 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, cursor, start_B, rotation_P2R, *,
     head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
     vector = pl.BlockSpec((H,), lambda b, k, s: (0,))
     rotation_P2R = rotation_P2R.reshape(rotation_P2R.shape[0], 2 * R)  # a row per position
-    in_specs = [pl.BlockSpec((1,), lambda b, k, s: (0,)), row(1),
+    in_specs = [row(1), row(1),
                 pl.BlockSpec(rotation_P2R.shape, lambda b, k, s: (0, 0)),
                 head(J, H), head(S, H), head(S, H)] + [vector, vector] * qk_norm
-    args = [jnp.reshape(cursor, (1,)).astype(jnp.int32), start_B.astype(jnp.int32),
+    args = [end_B.astype(jnp.int32), start_B.astype(jnp.int32),
             rotation_P2R.astype(jnp.float32), qkv_BKJH, k_BKSH, v_BKSH]
     args += [q_norm_H, k_norm_H] * qk_norm
     if splits == 1:
@@ -361,7 +362,7 @@ def _dot_t(a_MK, b_NK):
     return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
+def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
                              G, R, window, span, block, splits, eps, qk_norm, P, trigger):
     """One (row, KV head, split of the cache) program; see `decode_attention`.
 
@@ -377,11 +378,11 @@ def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref
     f32, dtype = jnp.float32, qkv_ref.dtype
     H = 2 * R
     part = pl.program_id(2)
-    cursor, start = cursor_ref[0], start_ref[0]
+    end, start = end_ref[0], start_ref[0]  # this row's write slot and first live slot
     if trigger:
-        cursor = _launch_dependents(cursor)
-    lo = start if window is None else jnp.maximum(start, cursor + 1 - window)
-    at = jnp.maximum(cursor - start, 0)  # the new token's position (left padding clamped to 0)
+        end = _launch_dependents(end)
+    lo = start if window is None else jnp.maximum(start, end + 1 - window)
+    at = jnp.maximum(end - start, 0)  # the new token's position (left padding clamped to 0)
     cos, sin = rotation_ref[pl.ds(at, 1), pl.ds(0, R)], rotation_ref[pl.ds(at, 1), pl.ds(R, R)]
     is_query = jnp.arange(P) < G
 
@@ -399,26 +400,26 @@ def _decode_attention_kernel(cursor_ref, start_ref, rotation_ref, qkv_ref, k_ref
     row = lambda j, at: qkv_ref[pl.ds(j, 1), pl.ds(at, R)].astype(f32)
     k1, k2 = (half.astype(k_ref.dtype) for half in rotated(row(G, 0), row(G, R), k_norm_ref))
     v = qkv_ref[pl.ds(G + 1, 1), :].astype(v_ref.dtype)
-    owner = cursor // span == part  # the split holding the new token writes and counts it
+    owner = end // span == part  # the split holding the new token writes and counts it
 
     @pl.when(owner)
     def _():
-        k_out_ref[pl.ds(cursor, 1), pl.ds(0, R)] = k1
-        k_out_ref[pl.ds(cursor, 1), pl.ds(R, R)] = k2
-        v_out_ref[pl.ds(cursor, 1), :] = v
+        k_out_ref[pl.ds(end, 1), pl.ds(0, R)] = k1
+        k_out_ref[pl.ds(end, 1), pl.ds(R, R)] = k2
+        v_out_ref[pl.ds(end, 1), :] = v
 
     scale = H ** -0.5
     # 1.0 or 0.0 from integers: Pallas' Triton lowering took a bool -> float convert for a no-op.
-    owned = (1 - jnp.minimum(jnp.abs(cursor // span - part), 1)).astype(f32)
+    owned = (1 - jnp.minimum(jnp.abs(end // span - part), 1)).astype(f32)
     new_score = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
                  + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale
     m = jnp.where(owner, new_score, _NEG)
     l = jnp.zeros((P,), f32) + owned
     acc = jnp.zeros((P, H), f32) + v.astype(f32) * owned
 
-    # The cached slots of this split that the token sees: [lo, cursor) within the split's span.
+    # The cached slots of this split that the token sees: [lo, end) within the split's span.
     first = jnp.maximum(lo, part * span)
-    last = jnp.minimum(cursor, (part + 1) * span)
+    last = jnp.minimum(end, (part + 1) * span)
 
     def body(i, carry):
         m, l, acc = carry

@@ -72,17 +72,20 @@ def rope(x_BTNH, positions_BT, inv_freq, scale: float = 1.0):
     return jnp.concatenate([rotated, rest], axis=-1) if rest.shape[-1] else rotated
 
 
-def visible_mask(q_slots_T, start_B, num_slots: int, window: int | None):
-    """[B, T, S] bool: query at cache slot q sees key slot s iff start_b <= s <= q (and q - s < window).
+def visible_mask(q_slots_BT, start_B, num_slots: int, window: int | None):
+    """[B, T, S] bool: row b's query at cache slot q sees key slot s iff start_b <= s <= q (and
+    q - s < window). q_slots_BT [B, T] holds each row's own query slots.
 
-    Slots before a row's start hold left padding and are never seen. Positions and slots differ by
-    the same per-row offset, so the sliding-window distance can be taken between slots.
+    Slots before a row's start hold left padding and are never seen, nor slots past the query,
+    whatever stale values they hold. Positions and slots differ by the same per-row offset, so
+    the sliding-window distance can be taken between slots.
     """
     s_S = jnp.arange(num_slots, dtype=jnp.int32)
-    causal_TS = s_S[None, :] <= q_slots_T[:, None]
+    q_BTS = q_slots_BT[:, :, None]
+    causal_BTS = s_S <= q_BTS
     if window is not None:
-        causal_TS &= q_slots_T[:, None] - s_S[None, :] < window
-    return causal_TS[None, :, :] & (s_S[None, None, :] >= start_B[:, None, None])
+        causal_BTS &= q_BTS - s_S < window
+    return causal_BTS & (s_S >= start_B[:, None, None])
 
 
 def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=None):
@@ -143,9 +146,9 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, window: int | None = None):
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
     t_T = jnp.arange(T, dtype=jnp.int32)
-    mask_TS = visible_mask(t_T, jnp.zeros((1,), jnp.int32), T, window)
+    mask_1TS = visible_mask(t_T[None], jnp.zeros((1,), jnp.int32), T, window)
     out_BTKGH = attention(q_BTNH.reshape(B, T, K, N // K, H), k_BTKH.transpose(0, 2, 1, 3),
-                          v_BTKH.transpose(0, 2, 1, 3), jnp.broadcast_to(mask_TS, (B, T, T)))
+                          v_BTKH.transpose(0, 2, 1, 3), jnp.broadcast_to(mask_1TS, (B, T, T)))
     return out_BTKGH.reshape(B, T, N, H)
 
 

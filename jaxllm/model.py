@@ -1,7 +1,7 @@
 """The model as pure functions: embed -> L blocks -> norm -> logits, with or without a KV cache.
 
 `forward` scores whole sequences (no cache kept). `prefill` and `decode_step` write new tokens
-into a `KVCache` at its shared cursor and return logits for the last position only. The public
+into a `KVCache` at each row's end and return logits for the last position only. The public
 `prefill`/`decode_step` check their inputs on the host; `step` is the jitted pure function they
 call, for engines that keep their own bookkeeping.
 """
@@ -24,7 +24,7 @@ from jaxllm.params import Layer, Params, require_params
 from jaxllm.quant import QuantizedWeight
 
 
-def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv, cursor,
+def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv, end_B,
                      mask_BTS, inv_freq, rope_scale, window=None, unroll_BT=None, fused=None):
     """Self-attention of T new tokens over the cache; returns (heads [B, T, K*G*H], kv).
 
@@ -32,6 +32,7 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     then k, then v.
 
     `kv` is this layer's (k, v, k_scale, v_scale) cache arrays; the scales are None unless int8.
+    Row b's new tokens go to slots end_B[b] onward.
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
     `fused` marks a decode step taking the Pallas kernel: (start_B, rotation_P2R (cos and sin by
@@ -45,7 +46,7 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     if fused is not None:  # rotation, cache writes and attention in one kernel
         start_B, rotation_P2R, interpret, split_out = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
-            qkv_BTKJH[:, 0], kv[0], kv[1], cursor, start_B, rotation_P2R, window=window,
+            qkv_BTKJH[:, 0], kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
             split_out=split_out)
         if isinstance(out_BKGH, kernels.SplitHeads):
@@ -62,7 +63,8 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH = L.causal_attention(q_BTNH, k_BTKH, v_BTKH, window).reshape(B, T, K, G, H)
         k_BTKH, v_BTKH = (jnp.take_along_axis(x, unroll_BT[:, :, None, None], axis=1)
                           for x in (k_BTKH, v_BTKH))
-    kv = tuple(_write(cache, new_BKTH, scale, cursor) for cache, new_BKTH, scale in
+    end_B = None if unroll_BT is not None else end_B  # a fresh prefill writes every row at slot 0
+    kv = tuple(_write(cache, new_BKTH, scale, end_B) for cache, new_BKTH, scale in
                ((kv[0], k_BTKH.transpose(0, 2, 1, 3), kv[2]), (kv[1], v_BTKH.transpose(0, 2, 1, 3), kv[3])))
     (k_cache, k_scale), (v_cache, v_scale) = kv
     if unroll_BT is None:
@@ -82,15 +84,21 @@ def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
     return out_BTD
 
 
-def _write(cache_BKSH, new_BKTH, scale_BKS, cursor):
-    """Write T new slots at the cursor; an int8 cache (scale given) quantizes them per slot first."""
+def _write(cache_BKSH, new_BKTH, scale_BKS, end_B):
+    """Write each row's T new slots at its end_B[b] (all at slot 0 where end_B is None: a fresh
+    prefill, one update); an int8 cache (scale given) quantizes them per slot first."""
     zero = jnp.zeros((), jnp.int32)
+
+    def put(into, x):
+        if end_B is None:
+            return jax.lax.dynamic_update_slice(into, x, (zero,) * into.ndim)
+        # Per row: vmapped, one scatter of B updates [K, T, ...] at (0, end_b, ...).
+        row = lambda into, x, end: jax.lax.dynamic_update_slice(into, x, (zero, end) + (zero,) * (into.ndim - 2))
+        return jax.vmap(row)(into, x, end_B)
     if scale_BKS is None:
-        return jax.lax.dynamic_update_slice(cache_BKSH, new_BKTH.astype(cache_BKSH.dtype),
-                                            (zero, zero, cursor, zero)), None
+        return put(cache_BKSH, new_BKTH.astype(cache_BKSH.dtype)), None
     q_BKTH, s_BKT = L.quantize_kv(new_BKTH)
-    return (jax.lax.dynamic_update_slice(cache_BKSH, q_BKTH, (zero, zero, cursor, zero)),
-            jax.lax.dynamic_update_slice(scale_BKS, s_BKT, (zero, zero, cursor)))
+    return put(cache_BKSH, q_BKTH), put(scale_BKS, s_BKT)
 
 
 def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
@@ -134,12 +142,12 @@ def rotation_table(config: ModelConfig, length: int):
 
 def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
             rotation=None):
-    """Run all blocks over T new tokens written at cache.cursor; returns (x_BTD, normed_BTD, new
+    """Run all blocks over T new tokens written at each row's cache.end; returns (x_BTD, normed_BTD, new
     cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
     `kernels.DigitRow` for an int8 lm_head that takes them), else None.
 
     `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
-    `fresh`: the caller guarantees the cache is empty (cursor 0), so the tokens attend only among
+    `fresh`: the caller guarantees the cache is empty (every end 0), so the tokens attend only among
     themselves: each row is rotated left by its padding, so its prompt starts at index 0 and
     plain causal attention (a fused kernel on GPUs) needs no padding mask; the keys and values go
     into the cache, and the hidden states come out, rotated back to the left-padded layout.
@@ -167,9 +175,9 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         masks = dict.fromkeys(windows)
     else:
         unroll_BT = None
-        q_slots_T = cache.cursor + t_T
+        q_slots_BT = cache.end[:, None] + t_T[None, :]  # each row writes at its own end
         # Left padding sits before start; its (unused) positions are clamped to 0.
-        positions_BT = jnp.maximum(q_slots_T[None, :] - cache.start[:, None], 0)
+        positions_BT = jnp.maximum(q_slots_BT - cache.start[:, None], 0)
         # Inside shard_map too, on each device's KV heads (see sharding.shard_call's check_vma):
         # the 8B shape on two H200s, 3.20-3.22 ms a step against 3.63 with XLA's attention.
         mode = T == 1 and kernels.decode_attention_mode(
@@ -180,7 +188,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
             fused_args = (cache.start, rotation)
             fused_static = (mode == "interpret", proj is not None)  # o's kernel may combine splits
         masks = dict.fromkeys(windows) if mode else \
-            {w: L.visible_mask(q_slots_T, cache.start, cache.length, w) for w in windows}
+            {w: L.visible_mask(q_slots_BT, cache.start, cache.length, w) for w in windows}
     x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
     # Residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then x_BTD through
     # the norm that comes next, made by the same pass. In a prefill always; in a decode step
@@ -217,7 +225,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
               cache.v_scale and cache.v_scale[i])
         if rows:
             with jax.named_scope(f"layer_{i}"):
-                x_BTD, kv = _rows_block(layer, x_BTD, kv, cache.cursor, positions_BT, masks[window],
+                x_BTD, kv = _rows_block(layer, x_BTD, kv, cache.end, positions_BT, masks[window],
                                         inv_freq, fused_args, cfg=cfg, window=window, mode=rows,
                                         rope_scale=rope_scale, fused_static=fused_static)
             new_kv.append(kv)
@@ -234,7 +242,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
             (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         with jax.named_scope(f"layer_{i}"):
             x_BTD, normed_BTD, kv = _block(
-                layer, x_BTD, normed_BTD, kv, cache.cursor, positions_BT, masks[window], inv_freq,
+                layer, x_BTD, normed_BTD, kv, cache.end, positions_BT, masks[window], inv_freq,
                 unroll_BT, fused_args, next_norm, ahead_w,
                 (down_bounds, jnp.int32(down_at.index(i))) if i in down_at else None,
                 cfg=cfg, window=window, moe=cfg.is_moe(i), proj=proj, fuse=fuse,
@@ -245,7 +253,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
                              for a in (x_BTD, normed_BTD))
     k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
-    cache = cache.replace(k=k, v=v, cursor=cache.cursor + T,
+    cache = cache.replace(k=k, v=v, end=cache.end + T,
                           k_scale=None if cache.k_scale is None else k_scale,
                           v_scale=None if cache.v_scale is None else v_scale)
     return x_BTD, normed_BTD, cache
@@ -254,7 +262,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
 @partial(jax.jit, inline=True, static_argnames=(
     "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes",
     "next_digits", "weights_first"))
-def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq,
+def _block(layer: Layer, x_BTD, normed_BTD, kv, end_B, positions_BT, mask_BTS, inv_freq,
            unroll_BT, fused_args, next_norm, next_w, down_bounds, *, cfg: ModelConfig, window,
            moe: bool, proj, fuse, rope_scale, axis, fused_static, next_takes: bool,
            next_digits: bool = False, weights_first: bool = False):
@@ -279,7 +287,7 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
         qkv_BTKJH = _normed_project(proj, x_BTD, normed_BTD, layer.wqkv, layer.attn_norm, eps,
                                     bias_N=bias, prefetch=(layer.wo,), weights_first=weights_first)
-        heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, cursor,
+        heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, end_B,
                                          mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
         ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
         ffn_norm = ffn_kernel and kernels.project_folds_norm(layer.w_gate_up, proj, swiglu=True)
@@ -312,7 +320,7 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, cursor, positions_BT, mask_BTS, 
 
 @partial(jax.jit, inline=True, static_argnames=("cfg", "window", "mode", "rope_scale",
                                                  "fused_static"))
-def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_freq, fused_args, *,
+def _rows_block(layer: Layer, x_BTD, kv, end_B, positions_BT, mask_BTS, inv_freq, fused_args, *,
                 cfg: ModelConfig, window, mode: str, rope_scale, fused_static):
     """One decoder block of a decode step of 8-32 rows (`_rows_mode`), its matrices through
     `kernels.rows_project`, whose kernels add the biases and down's residual and make SwiGLU:
@@ -334,7 +342,7 @@ def _rows_block(layer: Layer, x_BTD, kv, cursor, positions_BT, mask_BTS, inv_fre
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
         qkv_MC = project(x_MD, layer.wqkv.reshape(-1, D), norm_C=layer.attn_norm, bias_N=bias)
         heads_BTC, kv = _attention_block(cfg, layer, qkv_MC.reshape(B, T, *layer.wqkv.shape[:-1]),
-                                         positions_BT, kv, cursor, mask_BTS, inv_freq, rope_scale,
+                                         positions_BT, kv, end_B, mask_BTS, inv_freq, rope_scale,
                                          window, None, fused)
         out_MD = project(heads_BTC.reshape(B * T, -1), layer.wo.reshape(layer.wo.shape[0], -1),
                          bias_N=layer.bo)
@@ -462,28 +470,35 @@ def _forward(params: Params, tokens_BT):
 
 
 def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
-                rotation=None):
+                rotation=None, all_logits: bool = False):
     x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh, rotation)
     proj = _project_mode(params, *tokens_BT.shape, axis)
+    if all_logits:
+        return logits(params, x_BTD, proj, normed_BTD), cache
     if normed_BTD is not None and not isinstance(normed_BTD, kernels.DigitRow):  # one row if digits
         normed_BTD = normed_BTD[:, -1:]
     return logits(params, x_BTD[:, -1:], proj, normed_BTD)[:, 0], cache
 
 
-def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotation=None):
-    """Pure step: write T tokens at the cursor, return (last-position logits [B, V], cache).
+def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotation=None,
+         all_logits: bool = False):
+    """Pure step: write each row's T tokens at slots [end_b, end_b + T), at positions
+    end_b - start_b + t, each attending over its own row's live slots; then end += T. Returns
+    (last-position logits [B, V], cache), or with `all_logits` (static) the logits [B, T, V] of
+    every new position (a speculative verify step).
 
-    Unchecked: the caller guarantees cursor + T <= S and ids within the vocabulary, and with
-    `fresh` (static) that the cache is empty (cursor 0): a prompt's prefill, which then attends
+    Unchecked: the caller guarantees max(end) + T <= S and ids within the vocabulary, and with
+    `fresh` (static) that the cache is empty (every end 0): a prompt's prefill, which then attends
     among its own tokens without reading the cache. Sharded params (`params.tp`) run it per
     device under shard_map; the logits come back split over V. `rotation`:
     `rotation_table(params.config, cache.length)`, for a loop that makes it once (unsharded).
     """
     with jax.named_scope("prefill" if tokens_BT.shape[1] > 1 else "decode"):
         if params.tp is not None:
-            return sharding.shard_call(partial(_step_local, fresh=fresh), params, tokens_BT, cache,
-                                       logits_ndim=2)
-        return _step_local(params, tokens_BT, cache, fresh=fresh, rotation=rotation)
+            return sharding.shard_call(partial(_step_local, fresh=fresh, all_logits=all_logits),
+                                       params, tokens_BT, cache, logits_ndim=3 if all_logits else 2)
+        return _step_local(params, tokens_BT, cache, fresh=fresh, rotation=rotation,
+                           all_logits=all_logits)
 
 
 def _donate_cache() -> tuple[int, ...]:
@@ -498,7 +513,7 @@ def jitted_step():
     """`step` under jit with the cache donated where the backend supports it."""
     backend = jax.default_backend()
     if backend not in _step_jit:
-        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache(), static_argnames=("fresh",),
+        _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache(), static_argnames=("fresh", "all_logits"),
                                      compiler_options=AUTOTUNE_OPTIONS)
     return _step_jit[backend]
 
@@ -553,7 +568,8 @@ def check_kv_int8(params: Params, int8: bool) -> None:
 
 
 def _check_room(cache: KVCache, new: int, params: Params) -> int:
-    """The cache's cursor, after checking that it is this model's and that `new` more tokens fit."""
+    """The cache's furthest row end, after checking that it is this model's and that `new` more
+    tokens fit in every row."""
     cfg = require_params(params).config
     made = (len(cache.k), cache.k[0].shape[1], cache.k[0].shape[3]) if cache.k else (0, 0, 0)
     if made != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
@@ -561,16 +577,17 @@ def _check_room(cache: KVCache, new: int, params: Params) -> int:
                          f"{made[2]} values, where this model has {cfg.num_layers} layers of "
                          f"{cfg.num_kv_heads} KV heads of {cfg.head_dim}")
     check_kv_int8(params, cache.k_scale is not None)
-    cursor = int(cache.cursor)
-    if cursor + new > cache.length:
-        raise ValueError(f"cache full: writing {new} token(s) at slot {cursor} needs "
-                         f"{cursor + new} slots, the cache has {cache.length}")
+    start, end = (np.asarray(x) for x in jax.device_get((cache.start, cache.end)))
+    furthest = int(end.max())
+    if furthest + new > cache.length:
+        raise ValueError(f"cache full: writing {new} token(s) at slot {furthest} needs "
+                         f"{furthest + new} slots, the cache has {cache.length}")
     context = params.config.max_position_embeddings
-    last = cursor + new - 1 - int(jnp.min(cache.start))  # the position of the longest row's last token
+    last = int((end - start).max()) + new - 1  # the position of the longest row's last token
     if last >= context:
-        raise ValueError(f"writing {new} token(s) at slot {cursor} reaches position {last}, past the "
+        raise ValueError(f"writing {new} token(s) at slot {furthest} reaches position {last}, past the "
                          f"model's context of {context} tokens")
-    return cursor
+    return furthest
 
 
 def prefill(params: Params, tokens_BT, cache: KVCache):
@@ -583,7 +600,7 @@ def prefill(params: Params, tokens_BT, cache: KVCache):
 
 
 def decode_step(params: Params, tokens_B, cache: KVCache, rotation=None):
-    """Write one token per row at the cursor; returns (logits [B, V], cache). The cache is donated.
+    """Write one token per row at the row's end; returns (logits [B, V], cache). The cache is donated.
 
     `rotation`: `rotation_table(params.config, cache.length)`, made once by a loop of steps
     (unsharded params), which spares each step making it."""

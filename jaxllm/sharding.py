@@ -154,7 +154,8 @@ def param_shardings(cfg: ModelConfig, tp: TensorParallel) -> Params:
 def cache_specs(tp: TensorParallel, num_layers: int) -> KVCache:
     """KV cache [B, K, S, H] split by KV head (and by row over a "data" axis)."""
     kv = P(tp.batch_axis, TP if tp.heads else None)
-    return KVCache(k=[kv] * num_layers, v=[kv] * num_layers, cursor=P(), start=P(tp.batch_axis))
+    return KVCache(k=[kv] * num_layers, v=[kv] * num_layers, start=P(tp.batch_axis),
+                   end=P(tp.batch_axis))
 
 
 def logits_spec(tp: TensorParallel, ndim: int) -> P:

@@ -133,39 +133,39 @@ def fresh_prefill():
 
 
 def decode_attention():
-    def reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k_norm):
+    def reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm):
         B, K, J, H = qkv.shape
-        G, positions = J - 2, (cursor - start)[:, None]
+        G, positions = J - 2, (end - start)[:, None]
         q, k, v = qkv[:, :, :G].reshape(B, 1, K * G, H), qkv[:, None, :, G], qkv[:, None, :, G + 1]
         if q_norm is not None:
             q, k = L.rms_norm(q, q_norm, 1e-6), L.rms_norm(k, k_norm, 1e-6)
         q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), (0, 0, cursor, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), (0, 0, cursor, 0))
-        mask = L.visible_mask(cursor + jnp.arange(1), start, k_cache.shape[2], window)
+        k_cache, v_cache = (c.at[jnp.arange(B), :, end].set(x[:, 0]) for c, x in ((k_cache, k), (v_cache, v)))
+        mask = L.visible_mask(end[:, None], start, k_cache.shape[2], window)
         return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache
 
-    for B, K, G, H, S, cursor, window, norm in [(1, 8, 4, 128, 384, 300, None, False),
-                                                (1, 3, 3, 64, 384, 200, None, False),
-                                                (4, 8, 4, 128, 8448, 8000, None, False),
-                                                (2, 8, 2, 128, 8448, 500, None, True),
-                                                (32, 8, 4, 128, 384, 383, 100, False),
-                                                (32, 8, 4, 128, 2304, 2100, None, False)]:
-        keys = jax.random.split(jax.random.key(S + cursor), 5)
+    for B, K, G, H, S, furthest, window, norm in [(1, 8, 4, 128, 384, 300, None, False),
+                                                  (1, 3, 3, 64, 384, 200, None, False),
+                                                  (4, 8, 4, 128, 8448, 8000, None, False),
+                                                  (2, 8, 2, 128, 8448, 500, None, True),
+                                                  (32, 8, 4, 128, 384, 383, 100, False),
+                                                  (32, 8, 4, 128, 2304, 2100, None, False)]:
+        keys = jax.random.split(jax.random.key(S + furthest), 5)
         qkv = jax.random.normal(keys[0], (B, K, G + 2, H), jnp.bfloat16)
         caches = [jax.random.normal(k, (B, K, S, H), jnp.bfloat16) for k in keys[1:3]]
         norms = [1 + 0.1 * jax.random.normal(k, (H,), jnp.bfloat16) for k in keys[3:]] if norm else [None, None]
         start = jnp.arange(B, dtype=jnp.int32) * 7 % 50
+        end = furthest - jnp.arange(B, dtype=jnp.int32) * 5 % 30  # ragged rows, the first at `furthest`
         inv_freq = jnp.asarray(1.0 / 500000 ** (np.arange(0, H, 2) / H), jnp.float32)
         angles = jnp.arange(S, dtype=jnp.float32)[:, None] * inv_freq  # by position, as generate's
         f32 = lambda xs: [None if x is None else x.astype(jnp.float32) for x in xs]
         want, want_k = jax.jit(reference, static_argnums=6)(
-            *f32([qkv, *caches]), jnp.int32(cursor), start, inv_freq, window, *f32(norms))
+            *f32([qkv, *caches]), end, start, inv_freq, window, *f32(norms))
         rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
-        got, got_k, _ = kernels.decode_attention(qkv, *caches, jnp.int32(cursor), start, rotation,
+        got, got_k, _ = kernels.decode_attention(qkv, *caches, end, start, rotation,
                                                  window=window, q_norm_H=norms[0],
                                                  k_norm_H=norms[1], eps=1e-6)
-        name = f"decode attention B={B} K={K} G={G} H={H} S={S} cursor={cursor} window={window} norm={norm}"
+        name = f"decode attention B={B} K={K} G={G} H={H} S={S} ends<={furthest} window={window} norm={norm}"
         check(name, rel(got, want), 1e-2)
         check(name + ", cache k", rel(got_k, want_k), 1e-2)
 

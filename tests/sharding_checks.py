@@ -320,7 +320,7 @@ def check_70b_abstract() -> str:
         kv = jax.ShapeDtypeStruct((B, params.config.num_kv_heads, S, cfg.head_dim), jnp.bfloat16,
                                   sharding=jax.sharding.NamedSharding(mesh, specs.k[0]))
         cache = KVCache(k=[kv] * cfg.num_layers, v=[kv] * cfg.num_layers,
-                        cursor=jax.ShapeDtypeStruct((), jnp.int32), start=jax.ShapeDtypeStruct((B,), jnp.int32))
+                        start=jax.ShapeDtypeStruct((B,), jnp.int32), end=jax.ShapeDtypeStruct((B,), jnp.int32))
         logits, new_cache = jax.eval_shape(step, params, jax.ShapeDtypeStruct((B, 1), jnp.int32), cache)
         assert logits.shape == (B, cfg.vocab_size) and new_cache.k[0].shape == kv.shape
         cache_dev = 2 * cfg.num_layers * math.prod(kv.sharding.shard_shape(kv.shape)) * 2

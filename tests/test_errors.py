@@ -207,11 +207,11 @@ def test_writing_past_the_end_of_the_cache_is_an_error(llama):
     message = r"cache full: writing 9 token\(s\) at slot 0 needs 9 slots, the cache has 8"
     with pytest.raises(ValueError, match=message):
         jaxllm.prefill(params, random_tokens((1, 9)), cache)
-    full = cache.replace(cursor=jnp.int32(8))  # as after 8 written tokens
+    full = cache.replace(end=jnp.full((1,), 8, jnp.int32))  # as after 8 written tokens
     with pytest.raises(ValueError, match=r"cache full: writing 1 token\(s\) at slot 8"):
         jaxllm.decode_step(params, [5], full)
     with pytest.raises(ValueError, match=r"cache full"):
-        jaxllm.prefill(params, random_tokens((1, 2)), cache.replace(cursor=jnp.int32(7)))
+        jaxllm.prefill(params, random_tokens((1, 2)), cache.replace(end=jnp.full((1,), 7, jnp.int32)))
 
 
 # ---------------------------------------------------------------------------------------------

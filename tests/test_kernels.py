@@ -23,59 +23,62 @@ from kernel_modes import decode_per_mode, prefill_and_decode, spy
 from tiny_models import random_tokens, rel_err
 
 
-def _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm, k_norm, eps):
-    """The XLA path of model._attention_block for one new token per row."""
+def _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, eps):
+    """The XLA path of model._attention_block for one new token per row, row b's at slot end[b]."""
     B, K, J, H = qkv.shape
     G = J - 2
-    positions = (cursor - start)[:, None]
+    positions = (end - start)[:, None]
     q = qkv[:, :, :G].reshape(B, 1, K * G, H)
     k, v = qkv[:, None, :, G], qkv[:, None, :, G + 1]
     if q_norm is not None:
         q, k = L.rms_norm(q, q_norm, eps), L.rms_norm(k, k_norm, eps)
     q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
-    at = (0, 0, cursor, 0)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3), at)
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3), at)
-    mask = L.visible_mask(cursor + jnp.arange(1), start, k_cache.shape[2], window)
+    k_cache, v_cache = (c.at[jnp.arange(B), :, end].set(x) for c, x in ((k_cache, k[:, 0]), (v_cache, v[:, 0])))
+    mask = L.visible_mask(end[:, None], start, k_cache.shape[2], window)
     return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache, v_cache
 
 
-def _attention_inputs(seed, B, K, G, H, S, cursor, qk_norm=False):
-    """Random float32 (qkv, k cache, v cache, row starts, q_norm, k_norm, inv_freq, rotation) of
-    a decode step at `cursor`; the norms None unless qk_norm; the rotation's cos and sin by
-    position, for all S (the kernel takes row b's at cursor - start_b)."""
+def _attention_inputs(seed, B, K, G, H, S, ends, qk_norm=False):
+    """Random float32 (qkv, k cache, v cache, row ends, row starts, q_norm, k_norm, inv_freq,
+    rotation) of a decode step writing row b at slot ends[b] (one number: every row there); the
+    norms None unless qk_norm; the rotation's cos and sin by position, for all S (the kernel takes
+    row b's at end_b - start_b)."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     qkv, k_cache, v_cache = normal(B, K, G + 2, H), normal(B, K, S, H), normal(B, K, S, H)
-    start = jnp.asarray(rng.integers(0, cursor, size=B), jnp.int32)
+    end = np.broadcast_to(np.asarray(ends, np.int32), (B,))
+    start = jnp.asarray(rng.integers(0, end), jnp.int32)
     q_norm, k_norm = (normal(H), normal(H)) if qk_norm else (None, None)
     inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), jnp.float32)
     angles = jnp.arange(S, dtype=jnp.float32)[:, None] * inv_freq
     rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
-    return qkv, k_cache, v_cache, start, q_norm, k_norm, inv_freq, rotation
+    return qkv, k_cache, v_cache, jnp.asarray(end), start, q_norm, k_norm, inv_freq, rotation
 
 
-@pytest.mark.parametrize("B, K, G, H, S, cursor, window, qk_norm", [
+@pytest.mark.parametrize("B, K, G, H, S, ends, window, qk_norm", [
     (2, 2, 3, 64, 48, 20, None, False),  # one split, ragged starts
     (3, 1, 4, 32, 4096, 3000, None, True),  # many splits, Qwen3's per-head norms
     (2, 2, 2, 64, 160, 150, 8, False),  # a sliding window
     (1, 2, 1, 16, 2112, 1500, 100, False),  # splits of a cache length not a power of two
     (1, 1, 2, 16, 2048, 1023, None, False),  # the new token is the last slot of a split
+    (3, 2, 3, 64, 48, [20, 5, 47], None, False),  # ragged ends in one split, one at the last slot
+    (4, 1, 4, 32, 4096, [3000, 17, 1024, 4095], None, True),  # ragged ends in different splits
+    (3, 2, 2, 64, 160, [150, 3, 64], 8, False),  # ragged ends under a sliding window
 ])
 # Every grid large (full splits, or one split from B*K*H = 192: the first and third cases), small.
 @pytest.mark.parametrize("multiprocessors", [1, 10**6])
-def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S, cursor, window,
+def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S, ends, window,
                                      qk_norm):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda: multiprocessors)
-    qkv, k_cache, v_cache, start, q_norm, k_norm, inv_freq, rotation = _attention_inputs(
-        S + cursor, B, K, G, H, S, cursor, qk_norm)
-    out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, rotation,
+    qkv, k_cache, v_cache, end, start, q_norm, k_norm, inv_freq, rotation = _attention_inputs(
+        S + int(np.sum(ends)), B, K, G, H, S, ends, qk_norm)
+    out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, end, start, rotation,
                                          window=window, q_norm_H=q_norm, k_norm_H=k_norm,
                                          eps=1e-6, interpret=True)
-    ref_out, ref_k, ref_v = _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, window, q_norm,
+    ref_out, ref_k, ref_v = _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm,
                                        k_norm, 1e-6)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
-    np.testing.assert_allclose(k, ref_k, atol=1e-6)  # the rotated key, written at the cursor only
+    np.testing.assert_allclose(k, ref_k, atol=1e-6)  # the rotated key, written at each row's end only
     np.testing.assert_array_equal(v, ref_v)
 
 
@@ -85,16 +88,16 @@ def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
     streams its row's whole cache: the heads come back combined, with no splits to combine after."""
     monkeypatch.setattr(kernels, "_multiprocessors", lambda: 1)
     monkeypatch.setattr(kernels, "ONE_SPLIT_VALUES", 256)
-    K, G, H, S, cursor = 2, 2, 32, 256, 200  # below the bound, splits of SPLIT_SLOTS (128) slots
-    qkv, k_cache, v_cache, start, _, _, inv_freq, rotation = _attention_inputs(
-        B, B, K, G, H, S, cursor)
-    out, k, _ = kernels.decode_attention(qkv, k_cache, v_cache, jnp.int32(cursor), start, rotation,
+    K, G, H, S, ends = 2, 2, 32, 256, 200  # below the bound, splits of SPLIT_SLOTS (128) slots
+    qkv, k_cache, v_cache, end, start, _, _, inv_freq, rotation = _attention_inputs(
+        B, B, K, G, H, S, ends)
+    out, k, _ = kernels.decode_attention(qkv, k_cache, v_cache, end, start, rotation,
                                          interpret=True, split_out=True)
     assert isinstance(out, kernels.SplitHeads) == (splits > 1)
     if splits > 1:
         assert out.acc.shape[1] == splits
         out = out.combined()
-    ref_out, ref_k, _ = _reference(qkv, k_cache, v_cache, cursor, start, inv_freq, None, None, None,
+    ref_out, ref_k, _ = _reference(qkv, k_cache, v_cache, end, start, inv_freq, None, None, None,
                                    1e-6)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
     np.testing.assert_allclose(k, ref_k, atol=1e-6)
