@@ -92,9 +92,9 @@ def _write(cache_BKSH, new_BKTH, scale_BKS, end_B):
     def put(into, x):
         if end_B is None:
             return jax.lax.dynamic_update_slice(into, x, (zero,) * into.ndim)
-        # Per row: vmapped, one scatter of B updates [K, T, ...] at (0, end_b, ...).
-        row = lambda into, x, end: jax.lax.dynamic_update_slice(into, x, (zero, end) + (zero,) * (into.ndim - 2))
-        return jax.vmap(row)(into, x, end_B)
+        # Per row (vmapped: one scatter of B updates [K, T, ...] at (0, end_b, ...)).
+        at = lambda end: (zero, end) + (zero,) * (into.ndim - 3)  # a row's [K, S, ...]
+        return jax.vmap(lambda a, b, end: jax.lax.dynamic_update_slice(a, b, at(end)))(into, x, end_B)
     if scale_BKS is None:
         return put(cache_BKSH, new_BKTH.astype(cache_BKSH.dtype)), None
     q_BKTH, s_BKT = L.quantize_kv(new_BKTH)
@@ -142,8 +142,8 @@ def rotation_table(config: ModelConfig, length: int):
 
 def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
             rotation=None):
-    """Run all blocks over T new tokens written at each row's cache.end; returns (x_BTD, normed_BTD, new
-    cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
+    """Run all blocks over T new tokens written at each row's cache.end; returns (x_BTD,
+    normed_BTD, new cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
     `kernels.DigitRow` for an int8 lm_head that takes them), else None.
 
     `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
