@@ -97,7 +97,8 @@ def cache_bytes(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16
 
 
 def insert(cache: KVCache, prefix: KVCache, row) -> KVCache:
-    """`cache` with row `row` (traced int32, never static) holding the one-row cache `prefix`.
+    """`cache` with row `row` (an int32 in [0, B), traced, never static) holding the one-row
+    cache `prefix`.
 
     `prefix` (batch 1, P <= S slots, e.g. a fresh prefill of one prompt) fills the row's slots
     [0, P), every layer and int8 scale, and gives the row its start and end; the row's slots past
