@@ -280,7 +280,7 @@ def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkey
 
 def test_jax_and_numpy_scalars_are_taken_as_sampling_settings(llama):
     """A JAX or numpy scalar is a number like any other (a JAX one was unhashable in the static
-    flags); an array of more than one value is refused by name."""
+    flags); an array of other than one value a row is refused by name."""
     prompt = random_tokens((1, 12), seed=3)
     want = jaxllm.generate(llama.params, prompt, seed=5, **SAMPLED).tokens
     settings = dict(SAMPLED, temperature=jnp.float32(1.0), top_k=jnp.int32(20), top_p=jnp.float32(1.0),
@@ -290,9 +290,11 @@ def test_jax_and_numpy_scalars_are_taken_as_sampling_settings(llama):
     greedy = jaxllm.generate(llama.params, prompt, max_new_tokens=4, temperature=0.0).tokens
     np.testing.assert_array_equal(
         jaxllm.generate(llama.params, prompt, max_new_tokens=4, temperature=jnp.float32(0)).tokens, greedy)
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
-        with pytest.raises(ValueError, match=rf"{name} must be a number, got an array of shape \(2,\)"):
-            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([0.5, 0.5])})
+    for name, value in dict(temperature=0.5, top_k=5, top_p=0.5, min_p=0.5, repetition_penalty=0.5).items():
+        with pytest.raises(ValueError, match=rf"{name} must be a number or a list of 1 \(one a row\), got 2 values"):
+            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([value, value])})
+        with pytest.raises(ValueError, match=rf"{name} must be a number, got an array of shape \(1, 2\)"):
+            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([[value, value]])})
 
 
 def test_rows_given_as_jax_arrays_are_a_ragged_batch(llama):
