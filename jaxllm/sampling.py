@@ -102,6 +102,11 @@ def check_setting(name: str, value):
     raise KeyError(name)
 
 
+def _count_error(name: str, rows: int | None, got: int) -> ValueError:
+    rule = f"a list of {rows} (one a row)" if rows else "a list of one value a row"
+    return ValueError(f"{name} must be a number or {rule}, got {got} values")
+
+
 def check_rows(name: str, value, rows: int | None = None):
     """One setting for a batch: a number (every row) as a Python number, or a list or 1-D array
     of one value a row as a tuple of them, each checked by `check_setting`; with `rows`, a list
@@ -112,8 +117,7 @@ def check_rows(name: str, value, rows: int | None = None):
     if isinstance(value, (np.ndarray, jax.Array)):
         value = list(np.asarray(value))  # numpy scalars: a bool array's are refused by name
     if not value or rows is not None and len(value) != rows:
-        raise ValueError(f"{name} must be a number or a list of {rows or 'one value a row'}"
-                         f"{' (one a row)' if rows else ''}, got {len(value)} values")
+        raise _count_error(name, rows, len(value))
     checked = []
     for b, v in enumerate(value):
         try:
@@ -207,43 +211,38 @@ class SamplingConfig(NamedTuple):
             if isinstance(value, tuple):
                 rows = len(value) if rows is None else rows
                 if len(value) != rows:
-                    raise ValueError(f"{name} must be a number or a list of {rows} (one a row), "
-                                     f"got {len(value)} values")
+                    raise _count_error(name, rows, len(value))
 
-    def row(self, b: int) -> "SamplingConfig":
-        """Row b's settings as numbers (of a validated config)."""
-        return SamplingConfig(*(v[b] if isinstance(v, tuple) else v for v in self))
-
-    def _column(self, name: str, rows: int, dtype) -> np.ndarray:
+    def _rows(self, name: str, rows: int, dtype) -> np.ndarray:
         return np.broadcast_to(np.asarray(getattr(self, name), dtype), (rows,))
 
     def static(self) -> SamplingFlags:
         """Which parts any row uses (of a validated config); filters count for sampled rows only."""
         rows = max((len(v) for v in self if isinstance(v, tuple)), default=1)
-        sampled = self._column("temperature", rows, np.float64) > 0
+        sampled = self._rows("temperature", rows, np.float64) > 0
 
         def on(name, used):
-            return bool(np.any(used(self._column(name, rows, np.float64)) & sampled))
+            return bool(np.any(used(self._rows(name, rows, np.float64)) & sampled))
         return SamplingFlags(
             greedy=not sampled.any(), top_k=on("top_k", lambda k: k > 0), top_p=on("top_p", lambda p: p < 1),
             min_p=on("min_p", lambda m: m > 0),
-            repetition_penalty=bool(np.any(self._column("repetition_penalty", rows, np.float64) != 1)),
-            penalties=bool(np.any(self._column("presence_penalty", rows, np.float64) != 0) or
-                           np.any(self._column("frequency_penalty", rows, np.float64) != 0)),
+            repetition_penalty=bool(np.any(self._rows("repetition_penalty", rows, np.float64) != 1)),
+            penalties=bool(np.any(self._rows("presence_penalty", rows, np.float64) != 0) or
+                           np.any(self._rows("frequency_penalty", rows, np.float64) != 0)),
             argmax_rows=bool(sampled.any() and not sampled.all()))
 
     def values(self, rows: int = 1) -> SamplingParams:
         """The settings of a validated config as numpy arrays of `rows` values (a jit argument)."""
-        temperature = self._column("temperature", rows, np.float32)
+        temperature = self._rows("temperature", rows, np.float32)
         seeds = self.seed if isinstance(self.seed, tuple) else (self.seed,) * rows
         return SamplingParams(
             # A sampled row's temperature of at least 1e-6, as it was when one value held the batch
             temperature=np.where(temperature > 0, np.maximum(temperature, np.float32(1e-6)), np.float32(0)),
-            top_k=self._column("top_k", rows, np.int32), top_p=self._column("top_p", rows, np.float32),
-            min_p=self._column("min_p", rows, np.float32),
-            repetition_penalty=self._column("repetition_penalty", rows, np.float32),
-            presence_penalty=self._column("presence_penalty", rows, np.float32),
-            frequency_penalty=self._column("frequency_penalty", rows, np.float32),
+            top_k=self._rows("top_k", rows, np.int32), top_p=self._rows("top_p", rows, np.float32),
+            min_p=self._rows("min_p", rows, np.float32),
+            repetition_penalty=self._rows("repetition_penalty", rows, np.float32),
+            presence_penalty=self._rows("presence_penalty", rows, np.float32),
+            frequency_penalty=self._rows("frequency_penalty", rows, np.float32),
             seed=np.array([seed_words(s) for s in seeds], np.uint32).reshape(rows, 2))
 
 

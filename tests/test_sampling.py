@@ -286,9 +286,12 @@ def test_per_row_filters_keep_what_each_rows_settings_keep_alone():
     """A batch whose rows have different temperature/top_k/top_p/min_p keeps in each row exactly
     the set transformers' warpers keep with that row's settings; neutral values keep every token."""
     logits = np.random.default_rng(7).normal(0, 2.0, (6, V)).astype(np.float32)
-    rows = [dict(temperature=0.7, top_k=12, top_p=1.0, min_p=0.0), dict(temperature=1.0, top_k=0, top_p=0.6, min_p=0.0),
-            dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.2), dict(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
-            dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), dict(temperature=2.0, top_k=1, top_p=0.9, min_p=0.0)]
+    rows = [dict(temperature=0.7, top_k=12, top_p=1.0, min_p=0.0),
+            dict(temperature=1.0, top_k=0, top_p=0.6, min_p=0.0),
+            dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.2),
+            dict(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
+            dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),  # every filter at its neutral value
+            dict(temperature=2.0, top_k=1, top_p=0.9, min_p=0.0)]
     column = {name: jnp.asarray([r[name] for r in rows])[:, None] for name in rows[0]}
     scaled = jnp.asarray(logits) / column["temperature"]
     kept = np.isfinite(np.asarray(sampling.filter_logits(scaled, column["top_k"], column["top_p"], column["min_p"],
