@@ -27,7 +27,7 @@ from jaxllm.params import Params, require_params
 from jaxllm.quant import is_quantized
 from jaxllm.sampling import (INT32_MAX, SamplingConfig, SamplingFlags, SamplingParams,
                              apply_presence_frequency_penalty, apply_repetition_penalty, row_keys, sample,
-                             seed_key, seed_words, whole)
+                             whole)
 from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
 
 MIN_BUCKET = 16
@@ -279,11 +279,6 @@ def _is_stop(token, stop_ids):
     if stop_ids.shape[0] <= STOP_SLOTS:
         return reduce(operator.or_, [token == stop_ids[j] for j in range(stop_ids.shape[0])])
     return jnp.any(token[..., None] == stop_ids, axis=-1)
-
-
-def _key(seed: int) -> jax.Array:
-    """The PRNG key of a seed of up to 64 bits, as a row drawing with that seed starts from."""
-    return seed_key(jnp.asarray(seed_words(seed), jnp.uint32))
 
 
 def _request(params: Params, max_new_tokens, sampling: SamplingConfig, eos_token_ids):
