@@ -8,8 +8,6 @@ call: no host round trip per token, and prompts within one bucket reuse one comp
 
 from __future__ import annotations
 
-import math
-import numbers
 import operator
 import os
 from functools import partial, reduce
@@ -27,7 +25,9 @@ from jaxllm.memory import check_fit
 from jaxllm.model import AUTOTUNE_OPTIONS, check_kv_int8, check_tokens, jitted_step, rotation_table, step
 from jaxllm.params import Params, require_params
 from jaxllm.quant import is_quantized
-from jaxllm.sampling import INT32_MAX, SamplingConfig, apply_repetition_penalty, number, sample
+from jaxllm.sampling import (INT32_MAX, SamplingConfig, SamplingFlags, SamplingParams,
+                             apply_presence_frequency_penalty, apply_repetition_penalty, row_keys, sample,
+                             whole)
 from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
 
 MIN_BUCKET = 16
@@ -134,31 +134,54 @@ def _seen_from_prompt(tokens_BT, start_B, vocab: int):
     return seen.at[jnp.arange(B)[:, None], tokens_BT].max(real_BT)
 
 
-def _choose(logits_BV, seen_BV, key, index, values, flags):
-    """Penalty, then sampling, with the key folded by the token's index (same in generate and stream)."""
-    greedy, use_top_k, use_top_p, use_min_p, use_penalty = flags
-    temperature, top_k, top_p, min_p, penalty = values
-    if use_penalty:
-        logits_BV = apply_repetition_penalty(logits_BV, seen_BV, penalty)
+def _history(tokens_BT, start_B, vocab: int, flags: SamplingFlags):
+    """What the penalties read of each row's tokens, only where `flags` use it: (seen [B, V] bool,
+    the prompt's ids and then the generated ones, for the repetition penalty; counts [B, V] int32
+    of the generated ids, for presence and frequency), None for a part no row uses."""
+    B = tokens_BT.shape[0]
+    seen = _seen_from_prompt(tokens_BT, start_B, vocab) if flags.repetition_penalty else None
+    return seen, jnp.zeros((B, vocab), jnp.int32) if flags.penalties else None
+
+
+def _record(history, token_B, live_B):
+    """`history` with each live row's new token counted."""
+    seen, counts = history
+    rows = jnp.arange(token_B.shape[0])
+    if seen is not None:
+        seen = seen.at[rows, token_B].max(live_B)
+    if counts is not None:
+        counts = counts.at[rows, token_B].add(live_B.astype(jnp.int32))
+    return seen, counts
+
+
+def _choose(logits_BV, history, sampling: SamplingParams, index, flags: SamplingFlags):
+    """Penalties, then sampling, each row with its key folded by the token's index (same in
+    generate and stream)."""
+    seen_BV, counts_BV = history
+    if flags.repetition_penalty:
+        logits_BV = apply_repetition_penalty(logits_BV, seen_BV, sampling.repetition_penalty[:, None])
+    if flags.penalties:
+        logits_BV = apply_presence_frequency_penalty(logits_BV, counts_BV, sampling.presence_penalty[:, None],
+                                                     sampling.frequency_penalty[:, None])
     with jax.named_scope("sampling"):
-        return sample(logits_BV, jax.random.fold_in(key, index), temperature, top_k, top_p, min_p,
-                      greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
+        keys = None if flags.greedy else row_keys(sampling.seed, index)
+        return sample(logits_BV, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                      greedy=flags.greedy, use_top_k=flags.top_k, use_top_p=flags.top_p, use_min_p=flags.min_p,
+                      argmax_rows=flags.argmax_rows)
 
 
-def _generate_core_fn(params: Params, tokens_BT, start_B, key, max_new, stop_ids, values, *,
-                      cache_length: int, steps: int, flags, kv_int8: bool = False):
+def _generate_core_fn(params: Params, tokens_BT, start_B, max_new, stop_ids, sampling: SamplingParams, *,
+                      cache_length: int, steps: int, flags: SamplingFlags, kv_int8: bool = False):
     cfg = params.config
     B = tokens_BT.shape[0]
     pad = jnp.int32(cfg.pad_id)
-    use_penalty = flags[4]
     cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
-    seen = _seen_from_prompt(tokens_BT, start_B, cfg.vocab_size) if use_penalty else jnp.zeros((B, 1), bool)
+    history = _history(tokens_BT, start_B, cfg.vocab_size, flags)
     logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
-    token_B = _choose(logits_BV, seen, key, 0, values, flags)
+    token_B = _choose(logits_BV, history, sampling, 0, flags)
     out_BN = jnp.full((B, steps), pad, jnp.int32).at[:, 0].set(token_B)
     done_B = _is_stop(token_B, stop_ids)
-    if use_penalty:
-        seen = seen.at[jnp.arange(B), token_B].set(True)
+    history = _record(history, token_B, jnp.ones((B,), bool))
 
     def cond(carry):
         i, _, _, _, done_B, _ = carry
@@ -175,15 +198,14 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, key, max_new, stop_ids
     rotation = rotation_table(cfg, cache_length) if params.tp is None else None
 
     def body(carry):
-        i, token_B, cache, out_BN, done_B, seen = carry
+        i, token_B, cache, out_BN, done_B, history = carry
         logits_BV, cache = step(params, token_B[:, None], cache, rotation=rotation)
-        new_B = _choose(logits_BV, seen, key, i, values, flags)
+        new_B = _choose(logits_BV, history, sampling, i, flags)
         out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (jnp.int32(0), i))
-        if use_penalty:
-            seen = seen.at[jnp.arange(B), new_B].max(~done_B)
-        return i + 1, new_B, cache, out_BN, done_B | _is_stop(new_B, stop_ids), seen
+        history = _record(history, new_B, ~done_B)
+        return i + 1, new_B, cache, out_BN, done_B | _is_stop(new_B, stop_ids), history
 
-    carry = (jnp.int32(1), token_B, cache, out_BN, done_B, seen)
+    carry = (jnp.int32(1), token_B, cache, out_BN, done_B, history)
     made, _, _, out_BN, _, _ = jax.lax.while_loop(cond, body, carry)
     # A row's length runs to its first stop token (included), else to the steps made; a done
     # row's later steps (whose tokens no one reads) become padding.
@@ -259,39 +281,20 @@ def _is_stop(token, stop_ids):
     return jnp.any(token[..., None] == stop_ids, axis=-1)
 
 
-def _key(seed: int) -> jax.Array:
-    """The PRNG key of a seed of up to 64 bits. Without x64, jax.random.key keeps a seed's low 32
-    bits, so 0 and 2**32 drew the same tokens: the high bits are folded in (seeds in [0, 2**32)
-    keep the keys they had)."""
-    key = jax.random.key(seed & 0xFFFFFFFF)
-    high = (seed >> 32) & 0xFFFFFFFF
-    return jax.random.fold_in(key, high) if high else key
-
-
-def _whole(name: str, value, low: int, high: int = INT32_MAX) -> int:
-    """`value` as an int where it is a whole number in [low, high]; else a ValueError naming it."""
-    x = number(name, value)
-    whole = int(value) if isinstance(value, numbers.Integral) else \
-        int(x) if math.isfinite(x) and x == int(x) else None
-    if whole is None or not low <= whole <= high:
-        raise ValueError(f"{name} must be a whole number >= {low}, at most {high}, got {value}")
-    return whole
-
-
-def _request(params: Params, max_new_tokens, sampling: SamplingConfig, eos_token_ids, seed):
-    """(max_new_tokens, sampling, stop ids, seed) of a request as Python numbers, its settings
-    checked: a ValueError names the first that is not what it must be."""
-    max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1)
+def _request(params: Params, max_new_tokens, sampling: SamplingConfig, eos_token_ids):
+    """(max_new_tokens, sampling, stop ids) of a request as Python numbers (a sampling setting a
+    tuple where it is one a row), checked: a ValueError names the first that is not what it must be."""
+    max_new_tokens = whole("max_new_tokens", max_new_tokens, 1)
     sampling = sampling.validate()
     if eos_token_ids is None:
         stops = params.config.eos_token_ids
     elif isinstance(eos_token_ids, (list, tuple, set)) or \
             isinstance(eos_token_ids, (np.ndarray, jax.Array)) and eos_token_ids.ndim == 1:
         # int32 like the ids; a negative one never matches (configs write -1 for "none")
-        stops = tuple(_whole("a stop id (eos_token_ids)", t, -INT32_MAX - 1) for t in eos_token_ids)
+        stops = tuple(whole("a stop id (eos_token_ids)", t, -INT32_MAX - 1) for t in eos_token_ids)
     else:
         raise ValueError(f"eos_token_ids must be a list of token ids or None, got {eos_token_ids!r}")
-    return max_new_tokens, sampling, stops, _whole("seed", seed, -2 ** 63, 2 ** 63 - 1)
+    return max_new_tokens, sampling, stops
 
 
 def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv_dtype=None,
@@ -300,6 +303,7 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv
     is XLA's count of what the program that will run it allocates (see `check_fit`)."""
     cfg = params.config
     tokens, start, longest = pad_prompts(params, ids)
+    sampling.check_batch(tokens.shape[0])
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is {longest + max_new_tokens}, "
@@ -314,18 +318,23 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv
 
 def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> GenerateOutput:
+             eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> GenerateOutput:
     """Generate up to max_new_tokens per row; greedy at temperature 0. See DESIGN.md for the contract.
 
-    `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales (default: the model dtype).
+    Each sampling setting and `seed` is a number (every row) or a list of one value a row: a row
+    gets the tokens it gets alone with its settings and seed, whatever the other rows ask (so rows
+    of one prompt and one seed draw alike). Presence and frequency penalties are OpenAI's, over
+    the tokens generated. `kv_dtype="int8"` keeps the KV cache in int8 with per-slot scales
+    (default: the model dtype).
     """
-    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    max_new_tokens, sampling, stops, seed = _request(require_params(params), max_new_tokens, sampling,
-                                                     eos_token_ids, seed)
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                              frequency_penalty, seed)
+    max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
-        return (params, jnp.asarray(tokens), jnp.asarray(start), _key(seed),
-                jnp.int32(max_new_tokens), _stop_array(stops), sampling.values()), dict(
+        return (params, jnp.asarray(tokens), jnp.asarray(start),
+                jnp.int32(max_new_tokens), _stop_array(stops), sampling.values(tokens.shape[0])), dict(
                     cache_length=cache_length, steps=steps, flags=sampling.static(),
                     kv_int8=is_int8(kv_dtype))
 
@@ -351,17 +360,18 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
 
 
 @partial(jax.jit, static_argnames=("flags",))
-def _choose_jit(logits_BV, seen_BV, key, index, values, flags):
-    return _choose(logits_BV, seen_BV, key, index, values, flags)
+def _choose_jit(logits_BV, history, sampling, index, flags):
+    return _choose(logits_BV, history, sampling, index, flags)
 
 
 def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-           eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None) -> Iterator[int]:
+           eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None,
+           presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[int]:
     """Yield the new token ids of one prompt as they are produced, the stop token included."""
-    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty)
-    max_new_tokens, sampling, stops, seed = _request(require_params(params), max_new_tokens, sampling,
-                                                     eos_token_ids, seed)
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                              frequency_penalty, seed)
+    max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
     if not isinstance(ids, (list, tuple, np.ndarray, jax.Array)):
         raise ValueError(f"ids must be one prompt's token ids, a list, got {type(ids).__name__}")
     if isinstance(ids, (np.ndarray, jax.Array)) and ids.ndim != 1:
@@ -386,23 +396,21 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype,
                                            allocated)
     stops = set(stops)
-    flags, values = sampling.static(), sampling.values()
-    key = _key(seed)
+    flags, values = sampling.static(), jax.device_put(sampling.values())  # sent once, read every token
     cache = new_cache(jnp.asarray(start), cache_length)
     tokens_dev = jnp.asarray(tokens)
-    seen = _seen_from_prompt(tokens_dev, cache.start, params.config.vocab_size) if flags[4] else \
-        jnp.zeros((1, 1), bool)
+    history = _history(tokens_dev, cache.start, params.config.vocab_size, flags)
     rotation = rotation_table(params.config, cache_length) if params.tp is None else None
     compiled = compile_count(run)
     logits_BV, cache = run(params, tokens_dev, cache, fresh=True)
     check_recompile(run, compiled, "stream", group=(params.config, params.dtype),
                     describe=lambda: shape_text(*tokens.shape, cache_length))
     for i in range(max_new_tokens):
-        token_B = _choose_jit(logits_BV, seen, key, i, values, flags)
+        token_B = _choose_jit(logits_BV, history, values, i, flags)
         token = int(token_B[0])
         yield token
         if token in stops or i + 1 == max_new_tokens:
             return
-        if flags[4]:
-            seen = seen.at[0, token].set(True)
+        if flags.repetition_penalty or flags.penalties:
+            history = _record(history, token_B, jnp.ones((1,), bool))
         logits_BV, cache = run(params, token_B[:, None], cache, rotation=rotation)

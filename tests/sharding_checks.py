@@ -246,8 +246,8 @@ def check_no_logits_gather() -> str:
     params = sharding.init_sharded(cfg, jax.random.key(0), sharding.make_mesh(tp), jnp.float32)
     s = SamplingConfig()
     hlo = gen._generate_core.lower(
-        params, jnp.zeros((B, 16), jnp.int32), jnp.zeros((B,), jnp.int32), jax.random.key(0), jnp.int32(8),
-        gen._stop_array([2]), s.values(), cache_length=32, steps=16, flags=s.static()).compile().as_text()
+        params, jnp.zeros((B, 16), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.int32(8),
+        gen._stop_array([2]), s.values(B), cache_length=32, steps=16, flags=s.static()).compile().as_text()
     gathers = re.findall(r"= (\w+)\[([\d,]*)\][^=]*? all-gather\(", hlo)
     assert gathers, "no all-gather at all: is the lm_head split?"
     sizes = [math.prod(int(d) for d in dims.split(",") if d) for _, dims in gathers]

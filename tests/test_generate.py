@@ -280,7 +280,7 @@ def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkey
 
 def test_jax_and_numpy_scalars_are_taken_as_sampling_settings(llama):
     """A JAX or numpy scalar is a number like any other (a JAX one was unhashable in the static
-    flags); an array of more than one value is refused by name."""
+    flags); an array of other than one value a row is refused by name."""
     prompt = random_tokens((1, 12), seed=3)
     want = jaxllm.generate(llama.params, prompt, seed=5, **SAMPLED).tokens
     settings = dict(SAMPLED, temperature=jnp.float32(1.0), top_k=jnp.int32(20), top_p=jnp.float32(1.0),
@@ -290,9 +290,11 @@ def test_jax_and_numpy_scalars_are_taken_as_sampling_settings(llama):
     greedy = jaxllm.generate(llama.params, prompt, max_new_tokens=4, temperature=0.0).tokens
     np.testing.assert_array_equal(
         jaxllm.generate(llama.params, prompt, max_new_tokens=4, temperature=jnp.float32(0)).tokens, greedy)
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
-        with pytest.raises(ValueError, match=rf"{name} must be a number, got an array of shape \(2,\)"):
-            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([0.5, 0.5])})
+    for name, value in dict(temperature=0.5, top_k=5, top_p=0.5, min_p=0.5, repetition_penalty=0.5).items():
+        with pytest.raises(ValueError, match=rf"{name} must be a number or a list of 1 \(one a row\), got 2 values"):
+            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([value, value])})
+        with pytest.raises(ValueError, match=rf"{name} must be a number, got an array of shape \(1, 2\)"):
+            jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([[value, value]])})
 
 
 def test_rows_given_as_jax_arrays_are_a_ragged_batch(llama):
@@ -376,6 +378,93 @@ def test_seeds_differ_past_32_bits(llama):
         return np.asarray(jaxllm.generate(llama.params, prompt, seed=seed, **SAMPLED).tokens)
     assert not np.array_equal(draw(0), draw(2**32))
     assert not np.array_equal(draw(-1), draw(2**32 - 1))
-    gen = importlib.import_module("jaxllm.generate")
-    assert jax.random.key_data(gen._key(7)).tolist() == jax.random.key_data(jax.random.key(7)).tolist()
+    from jaxllm.sampling import seed_key, seed_words
+    key = seed_key(jnp.asarray(seed_words(7), jnp.uint32))
+    assert jax.random.key_data(key).tolist() == jax.random.key_data(jax.random.key(7)).tolist()
     np.testing.assert_array_equal(draw(2**32 + 7), draw(2**32 + 7))
+
+
+def test_rows_with_their_own_sampling_settings_and_seeds_get_what_they_get_alone(llama):
+    """Per-row temperature, top_k, top_p, min_p and seed in one batch (one program): each row gets
+    exactly the tokens it gets alone, in whichever row it sits; a greedy row gets plain greedy."""
+    prompts = [random_tokens(n, seed=40 + n).tolist() for n in (5, 12, 9, 16)]
+    rows = [dict(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0, seed=1),
+            dict(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0, seed=2),
+            dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=3),
+            dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1, seed=2 ** 40 + 5)]
+    run = dict(max_new_tokens=16, eos_token_ids=[])
+
+    def batch(order):
+        settings = {name: [rows[b][name] for b in order] for name in rows[0]}
+        return np.asarray(jaxllm.generate(llama.params, [prompts[b] for b in order], **settings, **run).tokens)
+    together = batch([0, 1, 2, 3])
+    for b, settings in enumerate(rows):
+        alone = jaxllm.generate(llama.params, [prompts[b]], **settings, **run).tokens[0]
+        np.testing.assert_array_equal(together[b], alone, err_msg=f"row {b}: {settings}")
+    np.testing.assert_array_equal(together[2], jaxllm.generate(llama.params, [prompts[2]], **run).tokens[0])
+    np.testing.assert_array_equal(batch([3, 1, 0, 2]), together[[3, 1, 0, 2]])
+    assert len({tuple(r) for r in together}) == 4
+
+
+def test_a_seed_draws_alike_in_any_row_and_other_seeds_differ(llama):
+    """One prompt in every row: rows of one seed (an int is every row's) draw the same tokens,
+    rows of other seeds other tokens."""
+    prompt = random_tokens(12, seed=3).tolist()
+    same = np.asarray(jaxllm.generate(llama.params, [prompt] * 3, seed=7, **SAMPLED).tokens)
+    listed = np.asarray(jaxllm.generate(llama.params, [prompt] * 3, seed=[7, 8, 7], **SAMPLED).tokens)
+    alone = np.asarray(jaxllm.generate(llama.params, [prompt], seed=7, **SAMPLED).tokens)
+    for row in (*same, listed[0], listed[2]):
+        np.testing.assert_array_equal(row, alone[0])
+    assert (listed[1] != alone[0]).mean() > 0.5
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only(llama):
+    """OpenAI's penalties (as vLLM applies them) against a host-side greedy reference over the
+    model's own logits: logit - frequency * count - presence * (count > 0), counted over the
+    tokens generated, not the prompt's; stream gives the same tokens."""
+    params, new = llama.params, 20
+    start = random_tokens((1, 4), seed=3)
+    # A prompt holding the tokens greedy decoding picks next: counting it would change the tokens
+    prompt = np.concatenate([start, jaxllm.generate(params, start, max_new_tokens=8).tokens], axis=1)
+    presence, frequency = 0.8, 0.6
+    out = jaxllm.generate(params, prompt, max_new_tokens=new, eos_token_ids=[], presence_penalty=presence,
+                          frequency_penalty=frequency)
+
+    def reference(count_prompt: bool):
+        cache = jaxllm.init_cache(params.config, 1, 12 + new, params.dtype)
+        logits, cache = jaxllm.prefill(params, prompt, cache)
+        counts = np.zeros(params.config.vocab_size, np.float32)
+        if count_prompt:
+            np.add.at(counts, prompt[0], 1)
+        tokens = []
+        for _ in range(new):
+            x = np.asarray(logits[0], np.float32) - np.float32(frequency) * counts
+            x = x - np.float32(presence) * (counts > 0)
+            tokens.append(int(np.argmax(x)))
+            counts[tokens[-1]] += 1
+            logits, cache = jaxllm.decode_step(params, jnp.asarray(tokens[-1:], jnp.int32), cache)
+        return tokens
+    want = reference(count_prompt=False)
+    assert want != reference(count_prompt=True)  # the test tells the two apart
+    assert out.tokens[0].tolist() == want
+    free = jaxllm.generate(params, prompt, max_new_tokens=new, eos_token_ids=[]).tokens
+    assert _repeats(out.tokens) < _repeats(free)
+    assert list(jaxllm.stream(params, prompt[0].tolist(), max_new_tokens=new, eos_token_ids=[],
+                              presence_penalty=presence, frequency_penalty=frequency)) == want
+
+
+def test_the_greedy_loop_neither_sorts_nor_draws(llama):
+    """Which filters run is static: an all-greedy batch (whatever its rows' unused filter
+    settings) compiles no sort and no random bits, a sampled row brings both."""
+    from jaxllm.sampling import SamplingConfig
+    gen = importlib.import_module("jaxllm.generate")
+
+    def program(**settings):
+        s = SamplingConfig(**settings).validate(rows=2)
+        return _generate_core.lower(
+            llama.params, jnp.zeros((2, 16), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.int32(8),
+            gen._stop_array([2]), s.values(2), cache_length=32, steps=16, flags=s.static()).as_text()
+    greedy = program(temperature=[0.0, 0.0], top_k=[5, 0], top_p=0.5, seed=[1, 2])
+    assert "stablehlo.sort" not in greedy and "threefry" not in greedy
+    sampled = program(temperature=[0.0, 0.5], top_k=[0, 5])
+    assert "stablehlo.sort" in sampled and "threefry" in sampled

@@ -251,3 +251,124 @@ def test_sample_takes_jax_scalars_as_settings():
     want = jaxllm.sample(logits, jax.random.key(3), 0.7, 5, 0.9, 0.0)
     got = jaxllm.sample(logits, jax.random.key(3), jnp.float32(0.7), jnp.int32(5), jnp.float32(0.9), np.float32(0))
     np.testing.assert_array_equal(got, want)
+
+
+def test_per_row_top_k_keeps_exactly_each_rows_top_k():
+    """Per-row top_k, [B, 1] or [B], no longer crashes (it raised "indices and arr must have the
+    same number of dimensions"), and each row keeps exactly its own top k, ties with the k-th
+    value included; a row's 0 keeps every token."""
+    logits = np.random.default_rng(6).normal(0, 2.0, (2, 10)).astype(np.float32)
+    got = jaxllm.sample(jnp.asarray(logits), jax.random.key(0), temperature=1.0, top_k=jnp.array([[2], [5]]),
+                        use_top_k=True)
+    assert got.shape == (2,)
+    tied = np.array([3.0, 1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 5.0, 2.0, 1.5], np.float32)  # k=3 ties four 2.0s
+    logits = np.concatenate([logits, tied[None], logits[:1]])
+    top_k = np.array([2, 5, 3, 0])
+    kept = np.isfinite(np.asarray(sampling.filter_logits(jnp.asarray(logits), jnp.asarray(top_k)[:, None], 1.0, 0.0,
+                                                         True, False, False)))
+    for r, k in enumerate(top_k):
+        want = logits[r] >= np.sort(logits[r])[::-1][k - 1] if k else np.ones(10, bool)
+        np.testing.assert_array_equal(kept[r], want, err_msg=f"row {r}, top_k {k}")
+    assert kept[2].sum() == 6 and kept[3].all()
+    draws = 500  # and sampling with them chooses within, and all over, each row's set
+    batch = jnp.asarray(np.repeat(logits, draws, axis=0))
+    for per_row in (np.repeat(top_k, draws), np.repeat(top_k, draws)[:, None]):
+        tokens = np.asarray(jaxllm.sample(batch, jax.random.key(1), 1.0, jnp.asarray(per_row))).reshape(4, draws)
+        for r in range(4):
+            chosen = np.zeros(10, bool)
+            chosen[tokens[r]] = True
+            assert not (chosen & ~kept[r]).any(), f"row {r} chose outside its top {top_k[r]}"
+            likely = kept[r] & (_softmax(np.where(kept[r], logits[r], -np.inf)) > 0.02)
+            assert chosen[likely].all(), f"row {r} never chose some of its top {top_k[r]}"
+
+
+def test_per_row_filters_keep_what_each_rows_settings_keep_alone():
+    """A batch whose rows have different temperature/top_k/top_p/min_p keeps in each row exactly
+    the set transformers' warpers keep with that row's settings; neutral values keep every token."""
+    logits = np.random.default_rng(7).normal(0, 2.0, (6, V)).astype(np.float32)
+    rows = [dict(temperature=0.7, top_k=12, top_p=1.0, min_p=0.0),
+            dict(temperature=1.0, top_k=0, top_p=0.6, min_p=0.0),
+            dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.2),
+            dict(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05),
+            dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),  # every filter at its neutral value
+            dict(temperature=2.0, top_k=1, top_p=0.9, min_p=0.0)]
+    column = {name: jnp.asarray([r[name] for r in rows])[:, None] for name in rows[0]}
+    scaled = jnp.asarray(logits) / column["temperature"]
+    kept = np.isfinite(np.asarray(sampling.filter_logits(scaled, column["top_k"], column["top_p"], column["min_p"],
+                                                         True, True, True)))
+    for r, settings in enumerate(rows):
+        want = _hf_allowed(logits[r:r + 1], **settings)[0]
+        np.testing.assert_array_equal(kept[r], want, err_msg=f"row {r}: {settings}")
+    assert kept[4].all() and kept[5].sum() == 1 and 1 < kept[1].sum() < V
+
+
+def test_each_row_draws_with_its_own_key_what_it_draws_alone():
+    """[B] keys, one a row: a row's token depends on its logits, settings and key alone, not on
+    the rows around it; a row at temperature 0 takes its argmax in a sampled batch."""
+    logits = jnp.asarray(np.random.default_rng(8).normal(0, 2.0, (4, V)), jnp.float32)
+    settings = dict(temperature=[0.8, 0.0, 1.3, 1.0], top_k=[0, 5, 20, 3], top_p=[0.9, 1.0, 1.0, 0.7],
+                    min_p=[0.0, 0.0, 0.1, 0.0])
+    for index in range(20):
+        keys = sampling.row_keys(jnp.asarray([[11, 0], [12, 0], [13, 0], [5, 1]], jnp.uint32), index)
+        batch = jaxllm.sample(logits, keys, **{k: jnp.asarray(v) for k, v in settings.items()})
+        for r in range(4):
+            alone = jaxllm.sample(logits[r:r + 1], keys[r:r + 1], **{k: v[r] for k, v in settings.items()})
+            assert int(batch[r]) == int(alone[0]), f"row {r}, token index {index}"
+        assert int(batch[1]) == int(jnp.argmax(logits[1]))
+
+
+def test_a_row_keeps_its_draws_whatever_row_it_sits_in():
+    logits = jnp.asarray(np.random.default_rng(9).normal(0, 1.0, (3, V)), jnp.float32)
+    seeds = jnp.asarray([[1, 0], [2, 0], [3, 0]], jnp.uint32)
+    order = jnp.array([2, 0, 1])
+    for index in range(10):
+        a = jaxllm.sample(logits, sampling.row_keys(seeds, index), 1.0)
+        b = jaxllm.sample(logits[order], sampling.row_keys(seeds[order], index), 1.0)
+        np.testing.assert_array_equal(np.asarray(a)[order], b)
+
+
+def test_greedy_rows_of_a_sampled_batch_take_their_argmax():
+    logits = jnp.asarray(np.random.default_rng(10).normal(0, 1.0, (64, V)), jnp.float32)
+    temperature = jnp.asarray([0.0, 5.0] * 32)
+    tokens = np.asarray(jaxllm.sample(logits, jax.random.key(0), temperature, top_p=0.95)).reshape(32, 2)
+    np.testing.assert_array_equal(tokens[:, 0], np.asarray(logits).argmax(-1)[0::2])
+    assert (tokens[:, 1] != np.asarray(logits).argmax(-1)[1::2]).mean() > 0.5  # the hot rows do sample
+
+
+def test_presence_and_frequency_penalties_against_a_hand_computed_reference():
+    """OpenAI's: logit - frequency * count - presence * (count > 0), one pair of penalties a row."""
+    logits = jnp.asarray([[1.0, 2.0, -1.0, 0.5, 0.0, 3.0], [0.0, 1.0, 2.0, -2.0, 1.0, 0.5]])
+    counts = jnp.asarray([[0, 2, 1, 0, 0, 3], [1, 0, 0, 4, 0, 0]], jnp.int32)
+    got = sampling.apply_presence_frequency_penalty(logits, counts, jnp.asarray([[0.5], [-1.0]]),
+                                                    jnp.asarray([[0.25], [0.5]]))
+    want = [[1.0, 2.0 - 0.5 - 0.5, -1.0 - 0.25 - 0.5, 0.5, 0.0, 3.0 - 0.75 - 0.5],
+            [0.0 - 0.5 + 1.0, 1.0, 2.0, -2.0 - 2.0 + 1.0, 1.0, 0.5]]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=[1.0, -1.0]), r"temperature must be >= 0 .*got -1.0 \(row 1\)"),
+    (dict(top_k=[2, 2, 2]), r"top_k must be a number or a list of 2 \(one a row\), got 3 values"),
+    (dict(top_p=np.array([[0.5, 0.5]])), r"top_p must be a number, got an array of shape \(1, 2\)"),
+    (dict(min_p=np.array([False, True])), r"min_p must be a number, got np.False_ \(a bool\) \(row 0\)"),
+    (dict(presence_penalty=3.0), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=[0.0, float("nan")]), r"frequency_penalty must be in \[-2, 2\].*\(row 1\)"),
+    (dict(seed=[1, 2 ** 64]), r"seed must be a whole number .*at most 9223372036854775807.*\(row 1\)"),
+    (dict(seed=[1.5, 2]), r"seed must be a whole number .*\(row 0\)"),
+    (dict(temperature=[]), r"temperature must be a number or a list of 2 \(one a row\), got 0 values"),
+])
+def test_per_row_settings_are_checked_row_by_row(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sampling.SamplingConfig(**kwargs).validate(rows=2)
+
+
+def test_flags_count_what_any_row_uses_and_greedy_batches_stay_greedy():
+    flags = sampling.SamplingConfig(temperature=[0.0, 0.0], top_k=[5, 0], top_p=0.5).validate().static()
+    assert flags == sampling.SamplingFlags()  # greedy rows' filters cost nothing: no sort, no key
+    flags = sampling.SamplingConfig(temperature=[0.0, 0.7], top_k=[5, 0], min_p=[0.0, 0.1],
+                                    frequency_penalty=[0.0, 0.5]).validate().static()
+    assert flags == sampling.SamplingFlags(greedy=False, top_k=False, top_p=False, min_p=True, penalties=True,
+                                           argmax_rows=True)
+    values = sampling.SamplingConfig(temperature=[0.0, 1e-9], seed=[-1, 2 ** 40 + 3]).validate().values(2)
+    np.testing.assert_array_equal(values.temperature, np.float32([0, 1e-6]))  # as one value was clamped
+    np.testing.assert_array_equal(values.seed, [[2 ** 32 - 1, 2 ** 32 - 1], [3, 2 ** 8]])
