@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from jaxllm import compile_cache, loader, paths
 from jaxllm.env import env_choice, env_flag, env_number
+from jaxllm.io import compile_cache, loader, paths
 
 
 def _import_jaxllm(env: dict[str, str], code: str = "import jaxllm"):
@@ -182,7 +182,7 @@ def test_the_loop_graph_is_an_on_off_switch(monkeypatch):
     """JAXLLM_LOOP_GRAPH, read at each generate: "off" turns the graph off (only "0" did), and
     garbage is named (it left the graph on)."""
     import importlib
-    gen = importlib.import_module("jaxllm.generate")
+    gen = importlib.import_module("jaxllm.engine.generate")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     for value, graph in (("off", False), ("0", False), ("yes", True), ("", True)):
         monkeypatch.setenv("JAXLLM_LOOP_GRAPH", value)

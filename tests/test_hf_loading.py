@@ -17,9 +17,10 @@ import transformers
 
 import jaxllm
 import tiny_models
-from jaxllm import hf, loader, presets
-from jaxllm.config import ModelConfig
-from jaxllm.params import from_hf_tensors
+from jaxllm.io import hf, loader
+from jaxllm.io.reading import from_hf_tensors
+from jaxllm.model.config import ModelConfig
+from jaxllm.tools import presets
 
 
 def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path, tiny):

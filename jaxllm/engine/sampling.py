@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from jaxllm.config import FLOAT32_MAX, INT32_MAX
 from jaxllm.env import env_number
+from jaxllm.model.config import FLOAT32_MAX, INT32_MAX
 
 
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
