@@ -36,7 +36,6 @@ from jax.experimental.pallas import triton as plt
 
 from jaxllm.env import env_choice, env_flag, env_ints, env_number
 from jaxllm.layers import dense as L
-from jaxllm.layers import moe
 from jaxllm.layers.quant import QuantizedWeight, stored
 
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
@@ -1485,8 +1484,8 @@ def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool, *,
     """(experts_MA int32, weights_MA float32) as `layers.route` gives them; with `mode` the
     router's logits from XLA's product, then `layers.pick_experts` in one kernel a token."""
     if mode is None:
-        return moe.route(x_MD, router_ED, experts_per_token, norm_topk_prob)
-    return pick_experts(moe.router_logits(x_MD, router_ED), experts_per_token, norm_topk_prob,
+        return L.route(x_MD, router_ED, experts_per_token, norm_topk_prob)
+    return pick_experts(L.router_logits(x_MD, router_ED), experts_per_token, norm_topk_prob,
                         interpret=mode == "interpret")
 
 

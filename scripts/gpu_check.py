@@ -42,7 +42,6 @@ import numpy as np
 import jaxllm
 from jaxllm import kernels
 from jaxllm.layers import dense as L
-from jaxllm.layers import moe as MoE
 from jaxllm.layers.quant import quantize
 from jaxllm.model import transformer as model
 from jaxllm.model.cache import init_cache
@@ -348,15 +347,15 @@ def moe():
         f32 = [w.astype(jnp.float32) for w in (router, gate_up, down)]
         for M in [1, 8, 64, 700]:
             x = jax.random.normal(keys[3], (1, M, D), jnp.bfloat16)
-            want = MoE.moe(x.astype(jnp.float32), *f32, A, True, path="dense")
+            want = L.moe(x.astype(jnp.float32), *f32, A, True, path="dense")
             for path, grouped in [("gather", "auto"), ("dense", "auto"), ("ragged", "auto"), ("ragged", "xla")]:
                 if path == "gather" and M > 64:
                     continue
-                MoE.GROUPED_GEMM = grouped
-                got = jax.jit(lambda *w, p=path: MoE.moe(*w, A, True, path=p))(x, router, gate_up, down)
+                L.GROUPED_GEMM = grouped
+                got = jax.jit(lambda *w, p=path: L.moe(*w, A, True, path=p))(x, router, gate_up, down)
                 check(f"MoE E={E} A={A} M={M} {path}{' (XLA ragged_dot)' if grouped == 'xla' else ''}",
                       rel(got, want), 2e-2)
-            MoE.GROUPED_GEMM = "auto"
+            L.GROUPED_GEMM = "auto"
 
 
 def route():
@@ -370,8 +369,8 @@ def route():
             x = jax.random.normal(keys[0], (M, 2048), jnp.bfloat16).at[0].set(0)  # row 0: all tie
             router = jax.random.normal(keys[1], (E, 2048), jnp.bfloat16) * 0.05
             # The same bf16 logits into both (XLA may keep a fused product's excess precision).
-            logits = jax.jit(MoE.router_logits)(x, router)
-            want = jax.jit(MoE.pick_experts, static_argnums=(1, 2))(logits, A, norm)
+            logits = jax.jit(L.router_logits)(x, router)
+            want = jax.jit(L.pick_experts, static_argnums=(1, 2))(logits, A, norm)
             got = kernels.pick_experts(logits, A, norm)
             check(f"route E={E} A={A} M={M}: experts not as XLA's (fraction)",
                   float(np.mean(np.asarray(got[0]) != np.asarray(want[0]))), 0)
@@ -391,7 +390,7 @@ def route():
 
 
 def swiglu():
-    """The gathered experts' SwiGLU as one variadic reduction (`layers.moe.MOE_SWIGLU_REDUCE`) against
+    """The gathered experts' SwiGLU as one variadic reduction (`layers.MOE_SWIGLU_REDUCE`) against
     one reduction and a multiply kernel: the same bits. 4-layer models of the MoE presets' widths
     (Qwen3-30B-A3B in bf16 and int8, Mixtral-8x7B), a prefill and batch-1 decode steps, then
     generate."""

@@ -25,7 +25,7 @@ import transformers
 
 import jaxllm
 from jaxllm import kernels
-from jaxllm.layers import moe as L
+from jaxllm.layers import dense as L
 from jaxllm.model.config import ModelConfig, RopeConfig
 from kernel_modes import decode_per_mode, spy
 from tiny_models import rel_err

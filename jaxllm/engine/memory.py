@@ -18,8 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.layers.dense import uses_cudnn_attention
-from jaxllm.layers.moe import moe_path
+from jaxllm.layers.dense import moe_path, uses_cudnn_attention
 from jaxllm.model.cache import cache_bytes
 from jaxllm.model.config import ModelConfig
 from jaxllm.model.params import Params, param_bytes

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from jaxllm import kernels
 from jaxllm.layers import dense as L
-from jaxllm.layers import moe as M
 from jaxllm.layers.quant import QuantizedWeight
 from jaxllm.model import sharding
 from jaxllm.model.cache import KVCache, init_cache
@@ -101,7 +100,7 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
         routes = kernels.route(h_BTD.reshape(-1, h_BTD.shape[-1]), layer.router,
                                cfg.experts_per_token, cfg.norm_topk_prob,
                                mode=kernels.route_mode(h_BTD.dtype) if axis is None else None)
-        out_BTD = M.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
+        out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
                         cfg.experts_per_token, cfg.norm_topk_prob, routes=routes,
                         expert_axis=axis if experts_split else None)  # moe psums expert splits itself
         partial_sum = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
