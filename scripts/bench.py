@@ -13,7 +13,7 @@ A run is one (batch, prompt length): random prompts, greedy, no stop ids, so eve
 --new-tokens. The first `generate` call includes compilation; --repeat timed calls follow. Prefill
 is timed on its own through `init_cache` + `prefill` on the same prompt shape and cache length, the
 first sample through `sample`; a decode step is (generate - prefill - first sample) / (new - 1).
-Bytes and FLOPs come from `jaxllm.roofline` (the fewest a step must move), the decode ones at the
+Bytes and FLOPs come from `jaxllm.tools.roofline` (the fewest a step must move), the decode ones at the
 mean context of the decode steps (prompt + new/2), the prefill ones for the real prompt tokens
 (not the left padding up to the bucket). Achieved TB/s is those bytes over the measured step. Beside each JSON line, stderr gets the decode
 roofline table and the measured step against it.
@@ -54,7 +54,7 @@ With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
 The GPU runs at its power limit in long enough work (on an H200 the 8B shape's prefill and decode,
-and a matmul past its first 75 ms: see jaxllm.telemetry). So the probes' copy_tbps and
+and a matmul past its first 75 ms: see jaxllm.tools.telemetry). So the probes' copy_tbps and
 matmul_tflops are rates after SUSTAIN_S of the same work, the prefill is timed after SUSTAIN_S of
 prefills, and the *_burst rates are each probe's first 10 x 5 calls. PHASE_sm_mhz (median),
 PHASE_sm_mhz_min, PHASE_power_w (median) and PHASE_power_capped_pct (share of NVML readings with
@@ -305,7 +305,7 @@ def _rate(fn, calls: int = 10, rounds: int = 5) -> float:
 
 def _sustained(fn, burst_s: float):
     """(`_rate` of fn after it has run for SUSTAIN_S, its clocks meanwhile): the rate a phase that
-    lasts longer than a burst gets under the GPU's power cap (see jaxllm.telemetry)."""
+    lasts longer than a burst gets under the GPU's power cap (see jaxllm.tools.telemetry)."""
     from jaxllm.tools import telemetry
     calls = max(1, round(SUSTAIN_S / 5 / burst_s))
     _rate(fn, calls, rounds=5)

@@ -80,7 +80,9 @@ def test_a_switch_set_to_garbage_is_named_at_import(name, value, message):
 
 _SWITCHES = """
 import json
-from jaxllm import compile_cache, kernels, layers
+from jaxllm import kernels
+from jaxllm.io import compile_cache
+from jaxllm.layers import dense as layers
 names = ["DECODE_ATTENTION", "DECODE_PROJECT", "ROWS_PROJECT", "ADD_NORM", "ROUTE", "INT8_CONVERT",
          "PDL_TRIGGER", "INT8_DIGITS", "INT8_HEAD_DIGITS", "INT8_DOWN_DIGITS", "GATE_UP_WIDE",
          "INT8_NORM_APART", "PREFETCH_LINES", "WEIGHTS_FIRST", "SQUARES_LAST", "ADD_NORM_TRIGGER"]

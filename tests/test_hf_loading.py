@@ -83,7 +83,7 @@ def test_the_backend_starts_before_the_checkpoint_is_read(tmp_path):
     code = (
         "import sys, jaxllm\n"
         "from jax._src import xla_bridge\n"
-        "from jaxllm import loader\n"
+        "from jaxllm.io import loader\n"
         "seen, read = [], loader.from_hf_tensors\n"
         "def spy(*args, **kwargs):\n"
         "    seen.append(xla_bridge.backends_are_initialized())\n"
