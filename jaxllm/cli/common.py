@@ -25,14 +25,14 @@ class UsageError(Exception):
 # Shared flags and helpers
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _directory(text: str) -> str:
+def directory_arg(text: str) -> str:
     """A directory to write into: new, or one that exists; not a file, nor under one."""
     if not text:
         raise argparse.ArgumentTypeError("the directory path is empty")
@@ -57,7 +57,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=("none", "int8"), default="none",
                         help="weight quantization: int8 = per-output-channel int8 weights, activations "
                              "and KV cache in --dtype (default: none)")
-    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
                         help="tensor-parallel over N devices: heads, FFN columns and vocabulary split "
                              "(default: 1, one device)")
 
@@ -65,7 +65,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """The generation flags shared by `generate` and `chat`."""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N",
+    g.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N",
                    help="most new tokens per answer (default: 256)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 is greedy (default: 0)")
@@ -86,7 +86,7 @@ def add_system_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace-dir", type=_directory, default=None, metavar="DIR",
+    parser.add_argument("--trace-dir", type=directory_arg, default=None, metavar="DIR",
                         help="write a profiler trace of the steady-state decode steps to DIR, "
                              "one per answer (see docs/tracing.md)")
 
@@ -126,11 +126,11 @@ def load_model(args: argparse.Namespace):
     path = _model_path(args.model)
     tok = jaxllm.load_tokenizer(path)
     _note_conversion(path)
-    params = jaxllm.load(path, dtype=args.dtype, quant=args.quant, mesh=_mesh(getattr(args, "tp", 1)))
+    params = jaxllm.load(path, dtype=args.dtype, quant=args.quant, mesh=mesh_of(getattr(args, "tp", 1)))
     return params, tok
 
 
-def _mesh(tp: int):
+def mesh_of(tp: int):
     """None for one device (the unsharded fast path), else a "tp" mesh over the first tp devices."""
     if tp == 1:
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from jaxllm.cli.common import _directory, _mesh, _positive_int
+from jaxllm.cli.common import directory_arg, mesh_of, positive_int
 from jaxllm.io import paths
 from jaxllm.io.checkpoint import save
 from jaxllm.io.loader import load
@@ -42,19 +42,19 @@ def add_convert(subparsers) -> None:
                     "sharded onto any mesh, without converting again.")
     p.add_argument("src", nargs="?", default=None, metavar="SRC",
                    help="HF directory or .gguf file (default: the default model)")
-    p.add_argument("dst", type=_directory, metavar="DST", help="an empty or new directory")
+    p.add_argument("dst", type=directory_arg, metavar="DST", help="an empty or new directory")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype of the saved weights (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--quant", choices=("none", "int8"), default="none",
                    help="save int8 weights with per-output-channel scales (restores onto one device)")
-    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="convert sharded over N devices, for a model larger than one device")
     p.set_defaults(run=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    out = convert(args.src, args.dst, dtype=args.dtype, mesh=_mesh(args.tp), quant=args.quant)
+    out = convert(args.src, args.dst, dtype=args.dtype, mesh=mesh_of(args.tp), quant=args.quant)
     print(f"jaxllm: wrote {out} in {time.perf_counter() - t0:.1f} s; load it with --model {out}",
           file=sys.stderr)
     return 0

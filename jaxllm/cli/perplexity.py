@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxllm.cli.common import UsageError, _positive_int, add_model_args, load_model
+from jaxllm.cli.common import UsageError, add_model_args, load_model, positive_int
 from jaxllm.engine.score import perplexity
 from jaxllm.io import paths
 
@@ -20,11 +20,11 @@ _DESCRIPTION = ("Perplexity of a model on a text file: mean next-token negative 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="a UTF-8 text file")
     add_model_args(p)
-    p.add_argument("--context", type=_positive_int, default=512, metavar="C",
+    p.add_argument("--context", type=positive_int, default=512, metavar="C",
                    help="tokens per window (default: 512)")
-    p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
                    help="score only the first N tokens of the text (default: all)")
-    p.add_argument("--batch", type=_positive_int, default=4, metavar="B",
+    p.add_argument("--batch", type=positive_int, default=4, metavar="B",
                    help="windows per forward call (default: 4)")
 
 
@@ -55,7 +55,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m jaxllm.cli.perplexity ...`: the same as `jaxllm perplexity ...`."""
+    """`jaxllm perplexity ...` with its own parser: argv as after the subcommand's name."""
     p = argparse.ArgumentParser(prog="jaxllm perplexity", description=_DESCRIPTION)
     _add_arguments(p)
     args = p.parse_args(argv)
@@ -64,7 +64,3 @@ def main(argv=None) -> int:
     except (UsageError, ValueError, FileNotFoundError) as e:
         print(f"jaxllm perplexity: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -67,7 +67,7 @@ def run_roofline(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m jaxllm.cli.roofline ...`: the same as `jaxllm roofline ...`."""
+    """`jaxllm roofline ...` with its own parser: argv as after the subcommand's name."""
     p = argparse.ArgumentParser(prog="jaxllm roofline", description=_DESCRIPTION)
     _add_arguments(p)
     args = p.parse_args(argv)
@@ -76,7 +76,3 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"jaxllm roofline: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
