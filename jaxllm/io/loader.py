@@ -111,7 +111,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     return _load_hf(path, dtype, path.name, shard, quant)
 
 
-# Threads reading parameters, and as many placing them (`params.from_hf_tensors`), with at most
+# Threads reading parameters, and as many placing them (`reading.from_hf_tensors`), with at most
 # LOAD_BUFFER_BYTES of host memory read but not yet placed (at most half the memory available):
 # room for the disk to go on reading while the device takes what was read. Measured while the
 # backend still started beside the readers (see `load`), the 8B shape cold on H200 machines: the

@@ -271,7 +271,7 @@ def quantize_leaf(name: str, w, tied: bool, dtype=None):
 
 
 def quantizing_place(dtype, tied: bool):
-    """A `params.from_hf_tensors` place function: each matrix to quantize goes to the device as it
+    """A `reading.from_hf_tensors` place function: each matrix to quantize goes to the device as it
     comes (float32 at most) and is quantized there, the rest is cast to `dtype`. The device holds
     the quantized model plus one float tensor at a time, never the whole float model."""
     dtype = jnp.dtype(dtype)

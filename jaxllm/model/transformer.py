@@ -2,8 +2,8 @@
 
 `forward` scores whole sequences (no cache kept). `prefill` and `decode_step` write new tokens
 into a `KVCache` at its shared cursor and return logits for the last position only. The public
-`prefill`/`decode_step` check their inputs on the host; `step` is the jitted pure function they
-call, for engines that keep their own bookkeeping.
+`forward`/`prefill`/`decode_step` (engine/steps.py) check their inputs on the host; `step` is the
+jitted pure function they call, for engines that keep their own bookkeeping.
 """
 
 import math

@@ -167,7 +167,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: fl
     Vectors (norm weights, output biases) are ones; every other tensor is normal(0, scale), so no
     timing runs on zeros. Unlike `init_params` (which draws each tensor whole in float32), the
     transient memory is at most one piece, so peak-memory readings after it reflect the model.
-    With quant="int8" each matrix that `quant.quantize_params` quantizes is quantized piece by
+    With quant="int8" each matrix that `params.quantize_params` quantizes is quantized piece by
     piece as it is drawn: the same params as quantize_params of the float ones, but the device
     holds one float piece at a time, never a float matrix beside the int8 model.
 
