@@ -7,27 +7,25 @@ Dimension alphabet, used the same way in names (`x_BTD`), einsums and docstrings
   M = B*T tokens in one row and R = M*A (token, expert) assignments (MoE routing).
 Inside `shard_map`, N, K, F are per-device counts.
 
-Modules import only from those above them:
-  config -> quant -> layers -> kernels -> params -> cache -> memory -> model -> sampling ->
-  generate -> hf, gguf, loader, chat_template, tokenizer -> cli
+Layers: a module imports only from its own layer or those before it, and no two modules import
+each other, not even inside a function (tests/test_layering.py holds the same list):
+  env -> layers (dense, quant) -> kernels -> model (config, params, cache, transformer,
+  sharding) -> families -> io (hf, gguf, reading, checkpoint, loader, paths, compile_cache) ->
+  text (tokenizer, chat_template) -> engine (sampling, memory, steps, compile, generate, score) ->
+  tools (trace, telemetry, roofline, presets) -> this public API -> cli -> __main__
 """
 
-from jaxllm import compile_cache
-from jaxllm.cache import KVCache, init_cache
-from jaxllm.config import ModelConfig
-from jaxllm.generate import GenerateOutput, generate, stream
-from jaxllm.loader import load
-from jaxllm.model import decode_step, forward, prefill
-from jaxllm.params import Params, init_params
-from jaxllm.sampling import sample
-from jaxllm import trace
-from jaxllm.trace import summarize, trace_steady
-
-
-def load_tokenizer(path=None):
-    """The model's tokenizer: None (default model), a .gguf file, or an HF directory."""
-    from jaxllm.tokenizer import load_tokenizer as _load
-    return _load(path)
+from jaxllm.engine.generate import GenerateOutput, generate, stream
+from jaxllm.engine.sampling import sample
+from jaxllm.engine.steps import decode_step, forward, prefill
+from jaxllm.io import compile_cache
+from jaxllm.io.loader import load
+from jaxllm.model.cache import KVCache, init_cache
+from jaxllm.model.config import ModelConfig
+from jaxllm.model.params import Params, init_params
+from jaxllm.text.tokenizer import load_tokenizer
+from jaxllm.tools import trace
+from jaxllm.tools.trace import summarize, trace_steady
 
 
 __all__ = ["KVCache", "GenerateOutput", "ModelConfig", "Params", "decode_step", "forward", "generate",
@@ -36,5 +34,5 @@ __all__ += ["summarize", "trace", "trace_steady"]
 
 # The persistent compilation cache, on by default; set up at import, before anything compiles
 # (JAX fixes its cache at the first compilation). Raises only for a JAXLLM_NO_COMPILE_CACHE
-# that is no on/off switch; an unusable directory means no cache. See compile_cache.py.
+# that is no on/off switch; an unusable directory means no cache. See io/compile_cache.py.
 compile_cache.enable()

@@ -34,9 +34,9 @@ from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxllm import layers as L
 from jaxllm.env import env_choice, env_flag, env_ints, env_number
-from jaxllm.quant import QuantizedWeight, stored
+from jaxllm.layers import dense as L
+from jaxllm.layers.quant import QuantizedWeight, stored
 
 # "auto": the Pallas kernel on a GPU where `decode_attention_mode` allows, else XLA's masked form;
 # "xla" never the kernel; "interpret" the kernel in Pallas' interpreter (tests on the CPU).

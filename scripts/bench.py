@@ -13,7 +13,7 @@ A run is one (batch, prompt length): random prompts, greedy, no stop ids, so eve
 --new-tokens. The first `generate` call includes compilation; --repeat timed calls follow. Prefill
 is timed on its own through `init_cache` + `prefill` on the same prompt shape and cache length, the
 first sample through `sample`; a decode step is (generate - prefill - first sample) / (new - 1).
-Bytes and FLOPs come from `jaxllm.roofline` (the fewest a step must move), the decode ones at the
+Bytes and FLOPs come from `jaxllm.tools.roofline` (the fewest a step must move), the decode ones at the
 mean context of the decode steps (prompt + new/2), the prefill ones for the real prompt tokens
 (not the left padding up to the bucket). Achieved TB/s is those bytes over the measured step. Beside each JSON line, stderr gets the decode
 roofline table and the measured step against it.
@@ -54,7 +54,7 @@ With --tp N, the peaks (datasheet, measured copy and matmul rates) are N devices
 roofline is N devices each reading its shard at once (all-reduces not counted), and the memory
 figures are those of the device using the most.
 The GPU runs at its power limit in long enough work (on an H200 the 8B shape's prefill and decode,
-and a matmul past its first 75 ms: see jaxllm.telemetry). So the probes' copy_tbps and
+and a matmul past its first 75 ms: see jaxllm.tools.telemetry). So the probes' copy_tbps and
 matmul_tflops are rates after SUSTAIN_S of the same work, the prefill is timed after SUSTAIN_S of
 prefills, and the *_burst rates are each probe's first 10 x 5 calls. PHASE_sm_mhz (median),
 PHASE_sm_mhz_min, PHASE_power_w (median) and PHASE_power_capped_pct (share of NVML readings with
@@ -62,7 +62,7 @@ the clocks held down by a power cap, thermal or hardware slowdown) are read ever
 phase was timed: copy and matmul (the probes, with --measure-peaks, on one device), prefill,
 decode (the timed generate calls). With --tp N the prefill's and decode's are the N devices' in
 step: each reading the lowest clock among them, the highest power, and held down where any one
-was (jaxllm.telemetry.slowest). Null without NVML (a CPU, or no nvidia-ml-py).
+was (jaxllm.tools.telemetry.slowest). Null without NVML (a CPU, or no nvidia-ml-py).
 With --measure-floor, a child process first times each run's decode reads (the roofline's weight
 and KV bytes at the mean context) as XLA reads bytes fastest: random bf16 of the same size, one
 array, one row reduction a step, in a jitted loop compiled as generate's (one CUDA graph), timed
@@ -159,7 +159,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a model shape with random weights (jaxllm.presets.PRESETS)")
+    src.add_argument("--preset", help="a model shape with random weights (jaxllm.tools.presets.PRESETS)")
     src.add_argument("--model", help="a checkpoint to load: HF directory or .gguf file")
     p.add_argument("--batch", type=_int_list, default=[1], help="rows, or a comma list: 1,8,32")
     p.add_argument("--prompt-len", "--context", dest="prompt_len", type=_int_list, default=[128],
@@ -305,8 +305,8 @@ def _rate(fn, calls: int = 10, rounds: int = 5) -> float:
 
 def _sustained(fn, burst_s: float):
     """(`_rate` of fn after it has run for SUSTAIN_S, its clocks meanwhile): the rate a phase that
-    lasts longer than a burst gets under the GPU's power cap (see jaxllm.telemetry)."""
-    from jaxllm import telemetry
+    lasts longer than a burst gets under the GPU's power cap (see jaxllm.tools.telemetry)."""
+    from jaxllm.tools import telemetry
     calls = max(1, round(SUSTAIN_S / 5 / burst_s))
     _rate(fn, calls, rounds=5)
     with telemetry.sample() as clock:
@@ -377,7 +377,7 @@ def measure_floor(nbytes: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.generate import LOOP_GRAPH_OPTIONS
+    from jaxllm.engine.generate import LOOP_GRAPH_OPTIONS
 
     def read(w):
         def body(_, s):
@@ -418,7 +418,7 @@ def _decode_context(prompt_len: int, new_tokens: int) -> int:
 
 def floor_reads(args) -> dict:
     """Each run's decode reads (weights and KV cache) for `probe_floor`, as `run_one` counts them."""
-    from jaxllm import presets, roofline
+    from jaxllm.tools import presets, roofline
     cfg = presets.get_config(args.preset or args.model)
     weights, kv_store = _roofline_dtypes(args, args.dtype)
     runs = {}
@@ -434,7 +434,7 @@ def floor_reads(args) -> dict:
 
 
 def write_checkpoint(args) -> dict:
-    from jaxllm import presets
+    from jaxllm.tools import presets
     t0 = time.perf_counter()
     files = presets.write_checkpoint(presets.PRESETS[args.preset], args.write_checkpoint,
                                      seed=args.seed, dtype=args.dtype)
@@ -449,7 +449,7 @@ def write_checkpoint(args) -> dict:
 def checkpoint_files(path) -> list[Path]:
     """The files a load of `path` reads: a GGUF file, an HF directory's safetensors (as jaxllm
     finds them), or every file of a `jaxllm convert` directory."""
-    from jaxllm import hf
+    from jaxllm.io import hf
     path = Path(path)
     if path.is_file():
         return [path]
@@ -552,7 +552,7 @@ def _model_devices(params) -> list:
 def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=None) -> dict:
     """The allocator's figures of the device using the most (of `devices`, by default the
     model's), beside what the request needs there."""
-    from jaxllm import memory
+    from jaxllm.engine import memory
 
     stats, device = max(((d.memory_stats() or {}, d) for d in devices or _model_devices(params)),
                         key=lambda pair: pair[0].get("peak_bytes_in_use") or 0)
@@ -569,11 +569,11 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     import numpy as np
 
     import jaxllm
-    from jaxllm import roofline, telemetry
-    from jaxllm.cache import cache_bytes, init_cache
-    from jaxllm.generate import bucket, compiler_options, pad_prompts
-    from jaxllm.model import step
-    from jaxllm.params import param_bytes, param_count
+    from jaxllm.engine.generate import bucket, compiler_options, pad_prompts
+    from jaxllm.model.cache import cache_bytes, init_cache
+    from jaxllm.model.params import param_bytes, param_count
+    from jaxllm.model.transformer import step
+    from jaxllm.tools import roofline, telemetry
 
     cfg, new = params.config, args.new_tokens
     rng = np.random.default_rng([args.seed, batch, prompt_len])
@@ -688,7 +688,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
 
     if args.trace_dir:
         run_dir = Path(args.trace_dir) / f"{(label['preset'] or Path(label['model']).name)}-b{batch}-p{prompt_len}"
-        from jaxllm.trace import kernel_view, trace
+        from jaxllm.tools.trace import kernel_view, trace
         with kernel_view():  # compiles the loop whose kernels the profiler sees (not the one timed)
             _wait(generate())
         with trace(run_dir) as recorded:
@@ -768,7 +768,7 @@ def main(argv=None) -> int:
     else:
         floors = {}
 
-    from jaxllm import presets
+    from jaxllm.tools import presets
     if (args.write_checkpoint or not args.model) and args.preset not in presets.PRESETS:
         log(f"bench: unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
         return 2
@@ -784,12 +784,13 @@ def main(argv=None) -> int:
     import jaxlib
 
     import jaxllm
-    from jaxllm import layers, quant
+    from jaxllm.layers import dense as layers
+    from jaxllm.model.params import quantize_params
 
     dtype = jax.numpy.dtype(args.dtype)
     mesh = None
     if args.tp > 1:
-        from jaxllm.sharding import make_mesh
+        from jaxllm.model.sharding import make_mesh
         try:
             mesh = make_mesh(args.tp)
         except ValueError as e:  # more devices than are visible
@@ -826,12 +827,12 @@ def main(argv=None) -> int:
             return 2
         t0 = time.perf_counter()
         if mesh is not None:
-            from jaxllm.sharding import init_sharded
+            from jaxllm.model.sharding import init_sharded
             try:  # a shape the mesh cannot split, int8 of sharded params: named by the library
                 params = _wait(init_sharded(cfg, jax.random.key(args.seed), mesh, dtype,
                                             expert_parallel=args.expert_parallel))
                 if args.quant == "int8":  # quantize_params names what sharded params lack
-                    params = _wait(quant.quantize_params(params))
+                    params = _wait(quantize_params(params))
             except ValueError as e:
                 return _usage_error(f"--tp {args.tp}: {e}")
         else:  # int8: each matrix quantized as it is drawn, so the float model is never held whole

@@ -41,11 +41,12 @@ import numpy as np
 
 import jaxllm
 from jaxllm import kernels
-from jaxllm import layers as L
-from jaxllm import model
-from jaxllm.cache import init_cache
-from jaxllm.presets import PRESETS, random_params
-from jaxllm.quant import quantize, quantize_params
+from jaxllm.layers import dense as L
+from jaxllm.layers.quant import quantize
+from jaxllm.model import transformer as model
+from jaxllm.model.cache import init_cache
+from jaxllm.model.params import quantize_params
+from jaxllm.tools.presets import PRESETS, random_params
 
 failures = []
 
@@ -487,8 +488,8 @@ def sharded():
     if jax.device_count() < 2:
         print("skip sharded: it needs 2 GPUs, this machine has 1", flush=True)
         return
-    from jaxllm import sharding
-    from jaxllm.params import init_params
+    from jaxllm.model import sharding
+    from jaxllm.model.params import init_params
     step = jax.jit(model.step, static_argnames="fresh")
     for name in ["qwen3-0.6b", "llama3.2-1b"]:
         cfg = dataclasses.replace(PRESETS[name], num_layers=4)

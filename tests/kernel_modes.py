@@ -9,7 +9,7 @@ import numpy as np
 
 import jaxllm
 from jaxllm import kernels
-from jaxllm.cache import init_cache
+from jaxllm.model.cache import init_cache
 
 
 def spy(monkeypatch, name: str, record=lambda *args: 1, module=kernels) -> list:

@@ -82,8 +82,8 @@ def write_checkpoint(directory: Path, hf: dict, seed: int = 0) -> Path:
     """config.json + model.safetensors of random weights for every tensor the config needs."""
     from safetensors.numpy import save_file
 
-    from jaxllm.config import ModelConfig
-    from jaxllm.params import named_specs
+    from jaxllm.model.config import ModelConfig
+    from jaxllm.model.params import named_specs
 
     cfg = ModelConfig.from_hf(hf)
     names = {n: shape for _, s in named_specs(cfg) for n, shape in s.hf}
@@ -123,7 +123,7 @@ def _check_shards(params, tp):
     """Every parameter's first shard has the global shape with each split axis divided by tp."""
     import jax
 
-    from jaxllm import sharding
+    from jaxllm.model import sharding
 
     specs = jax.tree.leaves(sharding.param_specs(params.config, params.tp))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -142,7 +142,7 @@ def check_case(root: Path, variant, tp, data, expert_parallel, expected) -> str:
     import jax.numpy as jnp
 
     import jaxllm
-    from jaxllm import sharding
+    from jaxllm.model import sharding
 
     path = root / variant
     ref = _reference(path)
@@ -204,7 +204,8 @@ def check_sampling_and_stream(root: Path) -> str:
     from unittest import mock
 
     import jaxllm
-    from jaxllm import memory, sharding
+    from jaxllm.engine import memory
+    from jaxllm.model import sharding
 
     ref = _reference(root / "llama_k2")
     params = jaxllm.load(root / "llama_k2", dtype="float32", mesh=sharding.make_mesh(4))
@@ -225,7 +226,7 @@ def check_sampling_and_stream(root: Path) -> str:
 
 def _tiny_llama(vocab_size: int = 256, num_layers: int = 2):
     """A small Llama config whose heads, KV heads and FFN split 4 ways."""
-    from jaxllm.config import ModelConfig
+    from jaxllm.model.config import ModelConfig
     return ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=64,
                        num_layers=num_layers, num_heads=8, num_kv_heads=4, head_dim=16, ffn_size=96,
                        max_position_embeddings=256)
@@ -237,10 +238,10 @@ def check_no_logits_gather() -> str:
     import jax.numpy as jnp
 
     import jaxllm
-    from jaxllm import sharding
-    from jaxllm.sampling import SamplingConfig
+    from jaxllm.engine.sampling import SamplingConfig
+    from jaxllm.model import sharding
 
-    gen = sys.modules["jaxllm.generate"]
+    gen = sys.modules["jaxllm.engine.generate"]
     V, tp, B = 8192, 4, 2
     cfg = _tiny_llama(vocab_size=V, num_layers=1)
     params = sharding.init_sharded(cfg, jax.random.key(0), sharding.make_mesh(tp), jnp.float32)
@@ -261,8 +262,8 @@ def check_init_sharded() -> str:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm import sharding
-    from jaxllm.params import init_params
+    from jaxllm.model import sharding
+    from jaxllm.model.params import init_params
 
     cfg = _tiny_llama()
     params = sharding.init_sharded(cfg, jax.random.key(5), sharding.make_mesh(4), jnp.float32)
@@ -280,8 +281,8 @@ def check_trace_collectives(root: Path) -> str:
     import jax.numpy as jnp
 
     import jaxllm
-    from jaxllm import sharding
-    from jaxllm.trace import trace_steady
+    from jaxllm.model import sharding
+    from jaxllm.tools.trace import trace_steady
 
     cfg = _tiny_llama()
     params = sharding.init_sharded(cfg, jax.random.key(1), sharding.make_mesh(4), jnp.float32)
@@ -300,11 +301,11 @@ def check_70b_abstract() -> str:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm import sharding
-    from jaxllm.cache import KVCache
-    from jaxllm.model import step
-    from jaxllm.params import abstract_params, param_bytes
-    from jaxllm.presets import PRESETS
+    from jaxllm.model import sharding
+    from jaxllm.model.cache import KVCache
+    from jaxllm.model.params import abstract_params, param_bytes
+    from jaxllm.model.transformer import step
+    from jaxllm.tools.presets import PRESETS
 
     mesh = sharding.make_mesh(8)
     lines = []
@@ -334,7 +335,8 @@ def check_checkpoint(root: Path) -> str:
     import jax
 
     import jaxllm
-    from jaxllm import checkpoint, sharding
+    from jaxllm.cli.convert import convert
+    from jaxllm.model import sharding
 
     def same(a, b):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -347,7 +349,7 @@ def check_checkpoint(root: Path) -> str:
         src = root / variant
         if not (src / "config.json").exists():
             write_checkpoint(src, hf_config(variant))
-        dst = checkpoint.convert(src, root / f"{variant}_orbax", dtype="float32",
+        dst = convert(src, root / f"{variant}_orbax", dtype="float32",
                                  mesh=None if save_tp is None else sharding.make_mesh(save_tp))
         for tp in tps:
             mesh = None if tp is None else sharding.make_mesh(tp)
@@ -370,7 +372,8 @@ def check_decode_kernel_sharded(root: Path) -> str:
     import jax
 
     import jaxllm
-    from jaxllm import kernels, sharding
+    from jaxllm import kernels
+    from jaxllm.model import sharding
 
     path = root / "qwen3"
     ref = _reference(path)
@@ -402,7 +405,7 @@ def check_explicit_mesh(root: Path) -> str:
     import pytest
 
     import jaxllm
-    from jaxllm import sharding
+    from jaxllm.model import sharding
 
     path = root / "llama_k2"
     if not (path / "config.json").exists():
@@ -465,7 +468,7 @@ def worker(root: Path, process_id: int, port: int):
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
                                process_id=process_id, initialization_timeout=60)
     import jaxllm
-    from jaxllm import sharding
+    from jaxllm.model import sharding
 
     assert jax.device_count() == 8 and jax.local_device_count() == 4, jax.devices()
     path = root / "llama_k2"

@@ -17,9 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import memory, presets, quant, roofline
-from jaxllm.config import ModelConfig
-from jaxllm.params import abstract_params, param_bytes, param_count
+from jaxllm.engine import memory
+from jaxllm.layers import quant
+from jaxllm.model import params as model_params
+from jaxllm.model.config import ModelConfig
+from jaxllm.model.params import abstract_params, param_bytes, param_count
+from jaxllm.cli import roofline as roofline_cli
+from jaxllm.tools import presets, roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "bench.py"
@@ -339,7 +343,7 @@ def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypa
     # model's. Pieces of 1000 elements put every matrix in several.
     monkeypatch.setattr(presets, "PIECE_ELEMENTS", 1000)
     cfg = dataclasses.replace(presets.PRESETS[name], tie_word_embeddings=tied)
-    want = quant.quantize_params(presets.random_params(cfg, seed=3))
+    want = model_params.quantize_params(presets.random_params(cfg, seed=3))
     before = {id(a) for a in jax.live_arrays()}
     float_bytes, filler = [], presets._filler
 
@@ -354,7 +358,7 @@ def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypa
         return counted if quantized else fill
     monkeypatch.setattr(presets, "_filler", spy)
     got = presets.random_params(cfg, seed=3, quant="int8")
-    assert quant.is_quantized(got) and jax.tree.structure(got) == jax.tree.structure(want)
+    assert model_params.is_quantized(got) and jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     matrices = [w.q.shape for w in quant.weight_leaves(got) if isinstance(w, quant.QuantizedWeight)]
@@ -508,14 +512,14 @@ def test_roofline_streams_every_weight_but_the_gathered_embedding(name):
 
 
 def test_roofline_cli(capsys):
-    assert roofline.main(["llama3-8b", "--batch", "32", "--context", "8192"]) == 0
+    assert roofline_cli.main(["llama3-8b", "--batch", "32", "--context", "8192"]) == 0
     out = capsys.readouterr().out
     for op in ("qkv", "attention", "o", "gate_up", "down", "lm_head", "total"):
         assert re.search(rf"^{op}\s", out, re.M), op
-    assert roofline.main(["tiny", "--tokens", "8", "--json"]) == 0
+    assert roofline_cli.main(["tiny", "--tokens", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["setup"]["tokens"] == 8 and result["totals"]["flops"] > 0
-    assert roofline.main(["no-such-model"]) == 2
+    assert roofline_cli.main(["no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 
 
@@ -602,14 +606,14 @@ def test_roofline_refuses_sizes_past_int32_and_keeps_huge_tables_aligned(capsys)
     huge = "1" + "0" * 300  # 1e300 as an integer literal
     for flag in ("--batch", "--context", "--tokens"):
         with pytest.raises(SystemExit) as e:
-            roofline.main(["tiny", "--json", flag, huge])
+            roofline_cli.main(["tiny", "--json", flag, huge])
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and "int32" in err and "Traceback" not in err
     with pytest.raises(ValueError, match="batch must be at most"):
         roofline.analyze(presets.PRESETS["tiny"], 10**300, 1)
     most = roofline.MAX_SIZE
-    assert roofline.main(["llama3-8b", "--batch", str(most), "--context", str(most)]) == 0
+    assert roofline_cli.main(["llama3-8b", "--batch", str(most), "--context", str(most)]) == 0
     lines = capsys.readouterr().out.splitlines()
     cols, rows = lines[1], lines[3:-3] + [lines[-2]]  # the titles; each op and the total
     assert rows[-1].startswith("total") and len(rows) == len(roofline.analyze(
@@ -621,26 +625,26 @@ def test_roofline_refuses_sizes_past_int32_and_keeps_huge_tables_aligned(capsys)
 
 
 def test_roofline_reads_a_converted_checkpoint_and_refuses_an_empty_path(tmp_path, capsys, monkeypatch):
-    from jaxllm import checkpoint
+    from jaxllm.io import checkpoint
     converted = tmp_path / "converted"
     checkpoint.save(presets.random_params(presets.PRESETS["tiny"], dtype=jnp.float32), converted)
     assert not (converted / "config.json").exists()
     assert presets.get_config(str(converted)) == presets.PRESETS["tiny"]
-    assert roofline.main([str(converted), "--json"]) == 0
+    assert roofline_cli.main([str(converted), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     want = roofline.analyze(presets.PRESETS["tiny"], 1, 1, name=str(converted))
     assert got["totals"] == pytest.approx(want["totals"])
     # "" is not the current directory, even where that holds a checkpoint.
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["qwen3-0.6b"]))
     monkeypatch.chdir(tmp_path)
-    assert roofline.main([""]) == 2
+    assert roofline_cli.main([""]) == 2
     assert "empty model name" in capsys.readouterr().err
     with pytest.raises(ValueError, match="empty model name"):
         presets.get_config("")
 
 
 def test_get_config_reads_a_gguf_header():
-    from jaxllm.paths import default_model_path
+    from jaxllm.io.paths import default_model_path
     path = default_model_path()
     if not path.is_file() or path.suffix != ".gguf":
         pytest.skip("no default .gguf model installed")

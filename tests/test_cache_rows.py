@@ -11,9 +11,9 @@ import pytest
 
 import jaxllm
 from jaxllm import kernels
-from jaxllm.cache import init_cache, insert, release, rollback
-from jaxllm.generate import pad_prompts
-from jaxllm.model import jitted_step
+from jaxllm.model.cache import init_cache, insert, release, rollback
+from jaxllm.engine.generate import pad_prompts
+from jaxllm.model.transformer import jitted_step
 from tiny_models import random_tokens, rel_err
 
 # (decode attention, kv_dtype): XLA's form, the Pallas kernel interpreted, the int8 cache.

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-import jaxllm.chat_template as chat_template
-from jaxllm.chat_template import ChatTemplateError, _Worker, render_chat_template
+import jaxllm.text.chat_template as chat_template
+from jaxllm.text.chat_template import ChatTemplateError, _Worker, render_chat_template
 from hangs import error_within
 
 CHAT = [{"role": "user", "content": "x"}]

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 import jaxllm
-from jaxllm import cli, paths
+from jaxllm import cli
+from jaxllm.cli.generate import stop_ids
+from jaxllm.io import paths
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -74,7 +76,7 @@ def test_generate_streams_the_greedy_answer(tiny_model):
     tok = jaxllm.load_tokenizer(tiny_model)
     text = tok.apply_chat_template([{"role": "user", "content": "hello world"}])
     ids = tok.encode(text)
-    stops = cli.stop_ids(params, tok)
+    stops = stop_ids(params, tok)
     out = jaxllm.generate(params, [ids], max_new_tokens=12, eos_token_ids=stops)
     new = [int(t) for t in out.tokens[0, :int(out.lengths[0])] if int(t) not in stops]
     assert new, "the tiny model stopped at once: the test would compare nothing"

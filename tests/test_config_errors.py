@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import checkpoint, hf
-from jaxllm.config import ModelConfig
-from jaxllm.gguf import gguf_to_hf_config
-from jaxllm.presets import PRESETS, random_params
+from jaxllm.io import checkpoint, hf
+from jaxllm.io.gguf import gguf_to_hf_config
+from jaxllm.model.config import ModelConfig
+from jaxllm.tools.presets import PRESETS, random_params
 from hangs import error_within
 
 NAN = float("nan")

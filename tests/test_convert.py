@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import checkpoint
-from jaxllm.quant import is_quantized
+from jaxllm.cli import convert as command
+from jaxllm.model.params import is_quantized
 
 
 def _du(path) -> int:
@@ -21,8 +21,8 @@ def _du(path) -> int:
 
 
 def test_int8_checkpoint_restores_the_same_params_in_far_fewer_bytes(tmp_path):
-    q8 = checkpoint.convert(None, tmp_path / "q8", dtype="float32", quant="int8")
-    f32 = checkpoint.convert(None, tmp_path / "f32", dtype="float32")
+    q8 = command.convert(None, tmp_path / "q8", dtype="float32", quant="int8")
+    f32 = command.convert(None, tmp_path / "f32", dtype="float32")
     restored = jaxllm.load(q8)
     direct = jaxllm.load(dtype="float32", quant="int8")
     assert is_quantized(restored)
@@ -39,7 +39,7 @@ def test_int8_checkpoint_restores_the_same_params_in_far_fewer_bytes(tmp_path):
 
 
 def test_converted_directory_carries_the_tokenizer(tmp_path):
-    out = checkpoint.convert(None, tmp_path / "ckpt", dtype="float32")
+    out = command.convert(None, tmp_path / "ckpt", dtype="float32")
     ours, theirs = jaxllm.load_tokenizer(), jaxllm.load_tokenizer(out)
     text = "Hello 世界 🐇 <|im_start|>user\n\n  def f():\treturn 1"
     assert ours.encode(text) == theirs.encode(text)
@@ -74,17 +74,17 @@ def test_cli_convert_then_generate_and_tp(tmp_path):
 def test_convert_refuses_its_destination_before_loading(tmp_path, monkeypatch):
     """A destination that cannot take the checkpoint is named before the model is loaded (minutes
     for a large one), not after."""
-    from jaxllm import loader
+    from jaxllm.io import loader
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
     full = tmp_path / "full"
     full.mkdir()
     (full / "notes.txt").write_text("kept")
     with pytest.raises(ValueError, match=r"full exists and is not empty"):
-        checkpoint.convert(None, full)
+        command.convert(None, full)
     with pytest.raises(ValueError, match=r"notes.txt exists and is not a directory"):
-        checkpoint.convert(None, full / "notes.txt")
+        command.convert(None, full / "notes.txt")
     with pytest.raises(ValueError, match=r"notes.txt/sub cannot be made"):
-        checkpoint.convert(None, full / "notes.txt" / "sub")
+        command.convert(None, full / "notes.txt" / "sub")
     assert (full / "notes.txt").read_text() == "kept"
 
 
@@ -94,7 +94,7 @@ def test_cli_names_a_path_it_cannot_write(tmp_path, monkeypatch, capsys):
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", "/sys/out")
-    monkeypatch.setattr(checkpoint, "convert", denied)
+    monkeypatch.setattr(command, "convert", denied)
     assert cli.main(["convert", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "jaxllm convert: error: [Errno 13] Permission denied: '/sys/out'" in err and "Traceback" not in err

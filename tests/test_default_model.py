@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jaxllm
-from jaxllm import paths
+from jaxllm.io import paths
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_second_load_uses_the_converted_cache(params, monkeypatch):
     from pathlib import Path
     cache = Path(os.environ["JAXLLM_CACHE"])
     assert any(cache.glob("*/model.safetensors")), "the first load should cache its conversion"
-    from jaxllm import gguf
+    from jaxllm.io import gguf
 
     def no_second_read(path):
         raise AssertionError(f"the GGUF file was read again: {path}")

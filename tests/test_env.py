@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from jaxllm import compile_cache, loader, paths
 from jaxllm.env import env_choice, env_flag, env_number
+from jaxllm.io import compile_cache, loader, paths
 
 
 def _import_jaxllm(env: dict[str, str], code: str = "import jaxllm"):
@@ -80,7 +80,9 @@ def test_a_switch_set_to_garbage_is_named_at_import(name, value, message):
 
 _SWITCHES = """
 import json
-from jaxllm import compile_cache, kernels, layers
+from jaxllm import kernels
+from jaxllm.io import compile_cache
+from jaxllm.layers import dense as layers
 names = ["DECODE_ATTENTION", "DECODE_PROJECT", "ROWS_PROJECT", "ADD_NORM", "ROUTE", "INT8_CONVERT",
          "PDL_TRIGGER", "INT8_DIGITS", "INT8_HEAD_DIGITS", "INT8_DOWN_DIGITS", "GATE_UP_WIDE",
          "INT8_NORM_APART", "PREFETCH_LINES", "WEIGHTS_FIRST", "SQUARES_LAST", "ADD_NORM_TRIGGER"]
@@ -182,7 +184,7 @@ def test_the_loop_graph_is_an_on_off_switch(monkeypatch):
     """JAXLLM_LOOP_GRAPH, read at each generate: "off" turns the graph off (only "0" did), and
     garbage is named (it left the graph on)."""
     import importlib
-    gen = importlib.import_module("jaxllm.generate")
+    gen = importlib.import_module("jaxllm.engine.generate")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     for value, graph in (("off", False), ("0", False), ("yes", True), ("", True)):
         monkeypatch.setenv("JAXLLM_LOOP_GRAPH", value)

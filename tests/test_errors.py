@@ -89,7 +89,7 @@ def test_whole_numbers_given_as_floats_are_taken(llama):
 
 
 def test_perplexity_refuses_ids_it_would_wrap_or_flatten(llama):
-    from jaxllm.perplexity import perplexity
+    from jaxllm.engine.score import perplexity
     with pytest.raises(ValueError, match=rf"token id {2 ** 32 + 7} out of range"):
         perplexity(llama.params, np.array([5, 6, 2 ** 32 + 7, 8, 9, 10]), context=4)
     with pytest.raises(ValueError, match=r"got shape \(2, 3\)"):
@@ -366,7 +366,7 @@ def test_a_weight_too_large_for_the_dtype_is_named(checkpoint, value, source, dt
 
 
 def test_first_nonfinite_finds_values_too_large_for_the_target():
-    from jaxllm.params import first_nonfinite
+    from jaxllm.io.reading import first_nonfinite
 
     x = np.zeros((4, 5), np.float32)
     x[2, 3] = 65519.99  # rounds to float16's largest, 65504
@@ -379,7 +379,7 @@ def test_first_nonfinite_finds_values_too_large_for_the_target():
 
 
 def test_first_nonfinite_finds_every_nan_and_infinity():
-    from jaxllm.params import first_nonfinite
+    from jaxllm.io.reading import first_nonfinite
 
     for dtype in (np.float16, jnp.bfloat16, np.float32, np.float64, jnp.float8_e4m3fn):
         x = np.linspace(-2, 2, 3 << 20).astype(dtype).reshape(3, -1)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import layers as L
-from jaxllm import model
-from jaxllm.generate import _generate_core, pad_prompts
-from jaxllm.quant import quantize_params
+from jaxllm.engine.generate import _generate_core, pad_prompts
+from jaxllm.layers import dense as L
+from jaxllm.model import transformer as model
+from jaxllm.model.params import quantize_params
 from tiny_models import hf_greedy, rel_err, random_tokens
 from compile_counting import compilations
 
@@ -195,8 +195,8 @@ def test_repetition_penalty_matches_transformers_and_lowers_repeats(llama, free_
 def test_a_step_traces_each_kind_of_layer_once(llama, monkeypatch):
     """Layers of one shape share one trace (model._block), so a first call's Python tracing does
     not grow with depth: it was half of the 8B shape's warm-cache first call on an H200."""
-    from jaxllm import model
-    from jaxllm.cache import init_cache
+    from jaxllm.model import transformer as model
+    from jaxllm.model.cache import init_cache
 
     traced = []
     real = model._attention_block
@@ -221,7 +221,8 @@ def spy(fun=None, **kwargs):  # what each of the model's jits is given
     options.setdefault(getattr(fun, "__name__", "?"), []).append(kwargs.get("compiler_options"))
     return jit(fun, **kwargs)
 jax.jit = spy
-from jaxllm import generate, model
+from jaxllm.engine import generate
+from jaxllm.model import transformer as model
 model.jitted_step()
 print(json.dumps({name: options[name] for name in ("_forward", "step", "_generate_core_fn")}))
 """
@@ -252,7 +253,7 @@ def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkey
     and XLA_FLAGS that name the option keep XLA's pick. XLA rejects an option it does not know,
     so running the one-row program here also checks the option's name; its tokens are the
     default's."""
-    gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+    gen = importlib.import_module("jaxllm.engine.generate")  # the module; `jaxllm.generate` is the function
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv("JAXLLM_LOOP_GRAPH", raising=False)
     dense = llama.params
@@ -355,7 +356,7 @@ def test_a_bool_is_not_a_token_id(llama):
 def test_a_long_stop_list_is_one_comparison(llama, free_run):
     """A stop test's compares do not grow with the list (one each, unrolled, compiled in time that
     grew with it: 2000 ids took 38 s); negative ids still never match and the row stops at its id."""
-    gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+    gen = importlib.import_module("jaxllm.engine.generate")  # the module; `jaxllm.generate` is the function
     tokens = jnp.zeros((2, 16), jnp.int32)
 
     def compares(n):
@@ -378,7 +379,7 @@ def test_seeds_differ_past_32_bits(llama):
         return np.asarray(jaxllm.generate(llama.params, prompt, seed=seed, **SAMPLED).tokens)
     assert not np.array_equal(draw(0), draw(2**32))
     assert not np.array_equal(draw(-1), draw(2**32 - 1))
-    from jaxllm.sampling import seed_key, seed_words
+    from jaxllm.engine.sampling import seed_key, seed_words
     key = seed_key(jnp.asarray(seed_words(7), jnp.uint32))
     assert jax.random.key_data(key).tolist() == jax.random.key_data(jax.random.key(7)).tolist()
     np.testing.assert_array_equal(draw(2**32 + 7), draw(2**32 + 7))
@@ -456,8 +457,8 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only(llama):
 def test_the_greedy_loop_neither_sorts_nor_draws(llama):
     """Which filters run is static: an all-greedy batch (whatever its rows' unused filter
     settings) compiles no sort and no random bits, a sampled row brings both."""
-    from jaxllm.sampling import SamplingConfig
-    gen = importlib.import_module("jaxllm.generate")
+    from jaxllm.engine.sampling import SamplingConfig
+    gen = importlib.import_module("jaxllm.engine.generate")
 
     def program(**settings):
         s = SamplingConfig(**settings).validate(rows=2)

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from jaxllm.gguf import read_gguf, read_gguf_header
-from jaxllm.paths import default_model_path
+from jaxllm.io.gguf import read_gguf, read_gguf_header
+from jaxllm.io.paths import default_model_path
 from hangs import error_within
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -17,9 +17,10 @@ import transformers
 
 import jaxllm
 import tiny_models
-from jaxllm import hf, loader, presets
-from jaxllm.config import ModelConfig
-from jaxllm.params import from_hf_tensors
+from jaxllm.io import hf, loader
+from jaxllm.io.reading import from_hf_tensors
+from jaxllm.model.config import ModelConfig
+from jaxllm.tools import presets
 
 
 def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path, tiny):
@@ -82,7 +83,7 @@ def test_the_backend_starts_before_the_checkpoint_is_read(tmp_path):
     code = (
         "import sys, jaxllm\n"
         "from jax._src import xla_bridge\n"
-        "from jaxllm import loader\n"
+        "from jaxllm.io import loader\n"
         "seen, read = [], loader.from_hf_tensors\n"
         "def spy(*args, **kwargs):\n"
         "    seen.append(xla_bridge.backends_are_initialized())\n"

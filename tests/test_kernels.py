@@ -16,9 +16,10 @@ import pytest
 
 import jaxllm
 from jaxllm import kernels
-from jaxllm import layers as L
-from jaxllm.cache import init_cache
-from jaxllm.quant import QuantizedWeight, quantize, quantize_params, weight_leaves
+from jaxllm.layers import dense as L
+from jaxllm.layers.quant import QuantizedWeight, quantize, weight_leaves
+from jaxllm.model.cache import init_cache
+from jaxllm.model.params import quantize_params
 from kernel_modes import decode_per_mode, prefill_and_decode, spy
 from tiny_models import random_tokens, rel_err
 
@@ -145,7 +146,7 @@ def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch
     run = lambda: np.asarray(jaxllm.generate(params, prompts, max_new_tokens=12,
                                              eos_token_ids=[]).tokens)
     want = run()
-    loops = importlib.import_module("jaxllm.generate")  # the module; jaxllm.generate is its function
+    loops = importlib.import_module("jaxllm.engine.generate")  # the module; jaxllm.generate is its function
     looped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=loops)
     stepped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=jaxllm.model)
     with _interpreted_within("DECODE_ATTENTION"):
@@ -365,7 +366,7 @@ def test_projections_ask_l2_for_the_matrix_read_next(monkeypatch, project_mode, 
     """A batch-1 step's projection kernels each ask L2 for the matrix the step reads next: qkv's
     for o's, o's for gate/up, gate/up's for down, down's for the next layer's qkv, the last
     layer's for the lm_head (kernels.prefetched says which; here every matrix)."""
-    from jaxllm import model
+    from jaxllm.model import transformer as model
     asks, real = [], kernels.project
     monkeypatch.setattr(kernels, "project", lambda x, w, **k: asks.append(
         (w.shape, [a.shape for a in k.get("prefetch", ()) if a is not None])) or real(x, w, **k))
@@ -483,7 +484,7 @@ def test_weights_first_rules(monkeypatch):
 def test_layers_pass_weights_first_to_their_projections(monkeypatch, project_mode, tiny, first):
     """Each layer's four projection kernels get the layer's `kernels.weights_first`, the lm_head
     never; a decode step with weights first matches the full forward."""
-    from jaxllm import model
+    from jaxllm.model import transformer as model
     asked, real = [], kernels.project
     monkeypatch.setattr(kernels, "project", lambda x, w, **k: asked.append(
         k.get("weights_first", False)) or real(x, w, **k))
@@ -846,13 +847,13 @@ def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention
 
 def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
     monkeypatch.setattr(kernels, "ROWS_PROJECT", "interpret")
-    assert jaxllm.model._rows_mode(tiny("llama").params, 32, 1) == "interpret"
-    assert jaxllm.model._rows_mode(tiny("llama").params, 32, 3) is None  # a prefill
-    assert jaxllm.model._rows_mode(tiny("llama").params, 32, 1, fresh=True) is None
-    assert jaxllm.model._rows_mode(quantize_params(tiny("llama").params), 32, 1) is None
+    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 32, 1) == "interpret"
+    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 32, 3) is None  # a prefill
+    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 32, 1, fresh=True) is None
+    assert jaxllm.model.transformer._rows_mode(quantize_params(tiny("llama").params), 32, 1) is None
     # 8-31 rows: only models whose every matrix is large
-    assert jaxllm.model._rows_mode(tiny("llama").params, 16, 1) is None
+    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 16, 1) is None
     monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 64 * 64 + 1)  # o has 64 x 64, the rest more
-    assert jaxllm.model._rows_mode(tiny("llama").params, 16, 1) is None
+    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 16, 1) is None
     monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)
-    assert jaxllm.model._rows_mode(tiny("llama").params, 16, 1) == "interpret"
+    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 16, 1) == "interpret"

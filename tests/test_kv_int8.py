@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import layers as L
-from jaxllm import memory
-from jaxllm.cache import cache_bytes, init_cache
+from jaxllm.engine import memory
+from jaxllm.layers import dense as L
+from jaxllm.model.cache import cache_bytes, init_cache
 from tiny_models import random_tokens, rel_err
 
-gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+gen = importlib.import_module("jaxllm.engine.generate")  # the module; `jaxllm.generate` is the function
 
 
 def test_quantize_kv_round_trip_within_half_a_step():

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import memory, presets
-from jaxllm.cache import cache_bytes
-from jaxllm.params import abstract_params, init_params, param_bytes
+from jaxllm.engine import memory
+from jaxllm.model.cache import cache_bytes
+from jaxllm.model.params import abstract_params, init_params, param_bytes
+from jaxllm.tools import presets
 from compile_counting import compilations
 
-gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+gen = importlib.import_module("jaxllm.engine.generate")  # the module; `jaxllm.generate` is the function
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def test_forward_counts_the_logits_it_returns(monkeypatch, params):
     kv, act = memory.request_bytes(params, B, T, T)
     assert memory.request_bytes(params, B, T, T, all_logits=True) == (kv, act + logits)
     fake_free(monkeypatch, kv + act + logits // 2)
-    monkeypatch.setattr(jaxllm.model, "_forward", lambda *a: pytest.fail("forward ran"))
+    monkeypatch.setattr(jaxllm.engine.steps, "_forward", lambda *a: pytest.fail("forward ran"))
     with pytest.raises(ValueError, match="out of device memory"):
         jaxllm.forward(params, np.full((B, T), 5, np.int32))
     monkeypatch.undo()  # forward itself back; and room for the logits too

@@ -25,12 +25,12 @@ import transformers
 
 import jaxllm
 from jaxllm import kernels
-from jaxllm import layers as L
-from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.layers import dense as L
+from jaxllm.model.config import ModelConfig, RopeConfig
 from kernel_modes import decode_per_mode, spy
 from tiny_models import rel_err
-from jaxllm.params import abstract_params
-from jaxllm.quant import quantize
+from jaxllm.layers.quant import quantize
+from jaxllm.model.params import abstract_params
 
 VOCAB = 256
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -342,7 +342,7 @@ def test_real_moe_shapes_trace(name):
     params = abstract_params(cfg)
     assert abs(sum(x.size for x in jax.tree.leaves(params)) / count - 1) < 1e-3
     def step(params, tokens_BT):
-        return jaxllm.model.step(params, tokens_BT, jaxllm.init_cache(cfg, 1, 1024, params.dtype))
+        return jaxllm.model.transformer.step(params, tokens_BT, jaxllm.init_cache(cfg, 1, 1024, params.dtype))
     for shape in [(1, 1), (1, 512)]:
         logits, _ = jax.eval_shape(step, params, jax.ShapeDtypeStruct(shape, jnp.int32))
         assert (logits.shape, logits.dtype) == ((1, cfg.vocab_size), jnp.float32)

@@ -15,8 +15,9 @@ import torch
 import transformers
 
 import jaxllm
-from jaxllm import layers, model
-from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.layers import dense as layers
+from jaxllm.model import transformer as model
+from jaxllm.model.config import ModelConfig, RopeConfig
 from tiny_models import OLD_KEYS, VARIANTS, hf_greedy, rel_err, random_tokens
 
 ALL = list(VARIANTS) + [OLD_KEYS]

@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import cli, layers, presets
-from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.params import init_params, param_bytes
-from jaxllm.perplexity import perplexity, windows
-from jaxllm.quant import QuantizedWeight, dequantize, quantize, quantize_params
+from jaxllm import cli
+from jaxllm.engine.score import perplexity, windows
+from jaxllm.layers import dense as layers
+from jaxllm.layers.quant import QuantizedWeight, dequantize, quantize
+from jaxllm.model.config import ModelConfig, RopeConfig
+from jaxllm.model.params import init_params, param_bytes, quantize_params
+from jaxllm.tools import presets
 from tiny_models import rel_err
 
 TEXT = inspect.getsourcefile(json.decoder)  # on every machine with Python; nothing copied here

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import jaxllm
-from jaxllm import sampling
-from jaxllm.sampling import apply_repetition_penalty
+from jaxllm.engine import sampling
+from jaxllm.engine.sampling import apply_repetition_penalty
 
 V = 64
 DRAWS = 400  # per row and seed

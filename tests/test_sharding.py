@@ -22,9 +22,9 @@ import pytest
 
 import jaxllm
 import sharding_checks
-from jaxllm import sharding
-from jaxllm.model import step
-from jaxllm.presets import PRESETS
+from jaxllm.model import sharding
+from jaxllm.model.transformer import step
+from jaxllm.tools.presets import PRESETS
 
 SCRIPT = Path(sharding_checks.__file__)
 

@@ -1,4 +1,4 @@
-"""jaxllm.telemetry: the clock and power readings bench reports beside each timed phase. NVML is
+"""jaxllm.tools.telemetry: the clock and power readings bench reports beside each timed phase. NVML is
 faked here (CI has no GPU): what is checked is which GPU is read, what the summary makes of the
 readings, and that a missing or failing NVML leaves the work alone and says why."""
 
@@ -11,8 +11,8 @@ import types
 import jax
 import pytest
 
-from jaxllm import telemetry
-from jaxllm.telemetry import Reading, Sampler
+from jaxllm.tools import telemetry
+from jaxllm.tools.telemetry import Reading, Sampler
 
 
 def test_summary_gives_median_and_lowest_clock_median_power_and_the_held_down_share():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from jaxllm.paths import default_model_path
-from jaxllm.tokenizer import ChatTemplateError, load_tokenizer
+from jaxllm.io.paths import default_model_path
+from jaxllm.text.tokenizer import ChatTemplateError, load_tokenizer
 from hangs import error_within
 
 TEXTS = {
@@ -241,7 +241,7 @@ RUNAWAY_TEMPLATES = {
 def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, name):
     """A template that would hang or exhaust memory fails within the time limit, naming the limit,
     and the next render works (in a fresh render process where the last was stopped)."""
-    monkeypatch.setattr("jaxllm.chat_template.RENDER_SECONDS", 2.0)
+    monkeypatch.setattr("jaxllm.text.chat_template.RENDER_SECONDS", 2.0)
     template, message = RUNAWAY_TEMPLATES[name]
     chat = [{"role": "user", "content": "x"}]
     error = error_within(20, lambda: ours.apply_chat_template(chat, chat_template=template), ChatTemplateError)
@@ -252,7 +252,7 @@ def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, nam
 def test_a_text_longer_than_the_limit_is_refused(ours, monkeypatch):
     """A template's text past `RENDER_CHARS` is an error naming its length, never handed back (here
     a limit of 1000 characters; by default 32M, far past any model's context)."""
-    monkeypatch.setattr("jaxllm.chat_template.RENDER_CHARS", 1000)
+    monkeypatch.setattr("jaxllm.text.chat_template.RENDER_CHARS", 1000)
     chat = [{"role": "user", "content": "x" * 600}]
     assert len(ours.apply_chat_template(chat, chat_template="{{ messages[0].content }}")) == 600
     with pytest.raises(ChatTemplateError, match="text is 1200 characters long, more than the 1000 a render"):
@@ -274,7 +274,7 @@ def test_conversations_of_arrays_and_deep_nesting(ours):
 
 
 def test_a_render_process_that_died_is_replaced(ours):
-    from jaxllm.chat_template import _Worker
+    from jaxllm.text.chat_template import _Worker
 
     chat = [{"role": "user", "content": "x"}]
     assert ours.apply_chat_template(chat, chat_template="{{ 1 + 1 }}") == "2"
@@ -517,7 +517,7 @@ def test_gguf_without_tokenizer(tmp_path):
 def test_gguf_no_token_id_means_none(tmp_path):
     """llama.cpp writes 2**32 - 1 (LLAMA_TOKEN_NULL) for a token a model lacks; published GGUFs
     carry it as the padding id. It was refused, as outside the vocabulary and past int32."""
-    from jaxllm.gguf import gguf_to_hf_config
+    from jaxllm.io.gguf import gguf_to_hf_config
 
     write_sentencepiece_gguf(tmp_path / "sp.gguf", [("add_uint32", "tokenizer.ggml.padding_token_id", 2**32 - 1)])
     tok = load_tokenizer(tmp_path / "sp.gguf")

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxllm
-from jaxllm.trace import RecompileWarning, is_collective, kernel_view, summarize, trace, trace_steady
+from jaxllm.tools.trace import RecompileWarning, is_collective, kernel_view, summarize, trace, trace_steady
 from compile_counting import compilations
 
-gen = importlib.import_module("jaxllm.generate")  # the module; `jaxllm.generate` is the function
+gen = importlib.import_module("jaxllm.engine.generate")  # the module; `jaxllm.generate` is the function
 
 
 
@@ -116,7 +116,7 @@ def test_programs_of_one_name_are_told_apart(tmp_path):
 def test_kernels_replayed_from_a_command_buffer_get_their_own_layer():
     # As recorded on a GPU: each kernel of a CUDA-graph replay names the buffer as its op, and XLA
     # compiled one kernel for both layers' identical fusions, so the names repeat.
-    from jaxllm.trace import _attribute, _Module
+    from jaxllm.tools.trace import _Module, _attribute
     scopes = {"loop_add_fusion": "decode/layer_0/attention/add",
               "input_reduce_fusion": "decode/layer_0/mlp/dot",
               "loop_add_fusion.1": "decode/layer_1/attention/add",
@@ -145,7 +145,7 @@ def test_pallas_kernels_in_a_command_buffer_get_their_own_layer():
     # As recorded on a GPU: a Pallas kernel is named after its pallas_call (XLA numbers distinct
     # compilations of one name, 'decode_project__1'), its instruction 'pallas_call.N' in the scope
     # '.../decode_project/pallas_call'; one compiled kernel serves every layer.
-    from jaxllm.trace import _attribute, _Module
+    from jaxllm.tools.trace import _Module, _attribute
     names = ["decode_project", "decode_attention", "decode_project"]
     blocks = ["attention", "attention", "mlp"]
     scopes = {f"pallas_call.{3 * layer + j}": f"decode/layer_{layer}/{blocks[j]}/{names[j]}/pallas_call"
@@ -227,7 +227,7 @@ FORWARD_ONCE = textwrap.dedent("""
     shapes = jax.eval_shape(lambda: jaxllm.init_params(cfg, jax.random.key(0), jnp.float32))
     params = jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), shapes)
     jax.block_until_ready(jaxllm.forward(params, [[1, 2, 3]]))
-    print("CACHE_DIR", jaxllm.compile_cache.directory())
+    print("CACHE_DIR", jaxllm.io.compile_cache.directory())
     print("CACHE_HITS", len(hits))
 """)
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.cache import cache_bytes
-from jaxllm.config import ModelConfig
-from jaxllm.layers import moe_path, uses_cudnn_attention
-from jaxllm.params import Params, param_bytes
+from jaxllm.layers.dense import moe_path, uses_cudnn_attention
+from jaxllm.model.cache import cache_bytes
+from jaxllm.model.config import ModelConfig
+from jaxllm.model.params import Params, param_bytes
 
 F32 = 4
 # XLA's buffer assignment keeps more than one layer's intermediates live. Measured on an H200 at

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxllm import checkpoint, hf, paths, sharding
-from jaxllm.config import ModelConfig
 from jaxllm.env import env_number
-from jaxllm.params import Params, from_hf_tensors
-from jaxllm.quant import QUANT_MODES, is_quantized, quantize_params, quantizing_place
+from jaxllm.io import checkpoint, hf, paths, reading
+from jaxllm.io.reading import from_hf_tensors
+from jaxllm.layers.quant import QUANT_MODES
+from jaxllm.model.config import ModelConfig
+from jaxllm.model.params import Params, is_quantized, quantize_params, quantizing_place
 
 CACHE_FORMAT = 1  # bump when the cached conversion changes
 
@@ -74,7 +75,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
         raise TypeError(f"path must be a str or os.PathLike (or None for the default model), got "
                         f"{type(path).__name__} {path!r:.80}")
     if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxllm.sharding.make_mesh), got "
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxllm.model.sharding.make_mesh), got "
                         f"{type(mesh).__name__} {mesh!r:.80}")
     if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
         # jax.make_mesh makes Explicit axes by default; the model's shard_map and the shardings
@@ -110,7 +111,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
     return _load_hf(path, dtype, path.name, shard, quant)
 
 
-# Threads reading parameters, and as many placing them (`params.from_hf_tensors`), with at most
+# Threads reading parameters, and as many placing them (`reading.from_hf_tensors`), with at most
 # LOAD_BUFFER_BYTES of host memory read but not yet placed (at most half the memory available):
 # room for the disk to go on reading while the device takes what was read. Measured while the
 # backend still started beside the readers (see `load`), the 8B shape cold on H200 machines: the
@@ -143,7 +144,7 @@ def _convert(cfg: ModelConfig, source, dtype, name: str, shard: dict | None = No
     flow = dict(progress=update, threads=LOAD_THREADS, buffer_bytes=_buffer_bytes())
     try:
         if shard is not None:
-            return sharding.from_hf_sharded(cfg, source, dtype, **shard, **flow)
+            return reading.from_hf_sharded(cfg, source, dtype, **shard, **flow)
         place = None if quant == "none" else quantizing_place(dtype, cfg.tie_word_embeddings)
         return from_hf_tensors(cfg, source, dtype=dtype, place=place, **flow)
     finally:
@@ -152,18 +153,17 @@ def _convert(cfg: ModelConfig, source, dtype, name: str, shard: dict | None = No
 
 def _gguf_cache_path(path: Path) -> Path:
     """Keyed by the file (path, size, mtime) and by the code that converts it: an edited gguf.py or
-    tokenizer.py (stop ids) must never be served a conversion the old code wrote."""
+    config.py (stop ids) must never be served a conversion the old code wrote."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode())
-    here = Path(__file__).parent
-    for source in ("gguf.py", "tokenizer.py"):
-        key.update((here / source).read_bytes())
+    package = Path(__file__).parent.parent
+    for source in ("io/gguf.py", "model/config.py"):
+        key.update((package / source).read_bytes())
     return paths.cache_dir() / f"{path.stem}-{key.hexdigest()[:16]}"
 
 
 def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none") -> Params:
-    from jaxllm.gguf import read_gguf
-    from jaxllm.tokenizer import load_tokenizer
+    from jaxllm.io.gguf import gguf_stop_ids, read_gguf  # lazy: the gguf package is slow to import
 
     cached = _gguf_cache_path(path)
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
@@ -171,7 +171,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     hf_config, tensors = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config)
     # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
-    stops = tuple(load_tokenizer(path).eos_token_ids)
+    stops = gguf_stop_ids(path)
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + stops)))
     _write_cache(cached, hf_config, cfg, tensors)
     return _convert(cfg, hf.ArraySource(tensors), dtype, path.name, shard, quant)

@@ -24,16 +24,12 @@ What is counted, and what is not:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 
 import jax.numpy as jnp
 
-from jaxllm.config import INT32_MAX, ModelConfig
-from jaxllm.params import abstract_params, param_bytes
-from jaxllm.presets import PRESETS, get_config
+from jaxllm.model.config import INT32_MAX, ModelConfig
+from jaxllm.model.params import abstract_params, param_bytes
 
 # One H200 (SXM). Datasheet HBM3e bandwidth; bf16 dense matmul and device-to-device copy as measured
 # on one such machine (KINDS.md: 769-798 TFLOP/s on random data for an 8192-cube product; copy
@@ -223,74 +219,5 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _size(least: int):
-    """An argparse type: an integer in [least, MAX_SIZE]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not least <= value <= MAX_SIZE:
-            shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
-            raise argparse.ArgumentTypeError(f"must be in [{least}, {MAX_SIZE}] (int32), got {shown}")
-        return value
-    return parse
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint directory")
-    p.add_argument("--batch", type=_size(1), default=1, help="rows per step (B)")
-    p.add_argument("--context", type=_size(0), default=None,
-                   help="cache positions filled after the step (S); default: --tokens")
-    p.add_argument("--tokens", type=_size(1), default=1, help="new tokens per row (T): 1 for a decode step")
-    p.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16, float16, float32, int8")
-    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the activations' dtype)")
-    p.add_argument("--peak-bw", type=float, default=H200_HBM_BW, help="bytes/s (default: H200 datasheet)")
-    p.add_argument("--peak-flops", type=float, default=H200_BF16_MATMUL_FLOPS,
-                   help="FLOP/s (default: H200 bf16 matmul as measured)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-
-
-_DESCRIPTION = ("Per-operator FLOPs, bytes moved and time lower bound of one model step on a device "
-                "with the given peaks. A decode step: --tokens 1 --context S; a prefill: --tokens T.")
-
-
-def add_roofline(subparsers) -> None:
-    """The `jaxllm roofline` subcommand, in the shape of cli.SUBCOMMANDS entries."""
-    p = subparsers.add_parser("roofline", help="FLOPs, bytes and time bound of one step, per operator",
-                              description=_DESCRIPTION)
-    _add_arguments(p)
-    p.set_defaults(run=run_roofline)
-
-
-def run_roofline(args: argparse.Namespace) -> int:
-    """Print the table (or JSON); bad input is a ValueError naming it."""
-    cfg = get_config(args.config)
-    try:
-        dtype, kv_dtype = jnp.dtype(_dtype_name(args.dtype)), args.kv_dtype and jnp.dtype(_dtype_name(args.kv_dtype))
-    except TypeError as e:
-        raise ValueError(f"unknown dtype: {e}") from None
-    result = analyze(cfg, args.batch, args.context if args.context is not None else args.tokens, args.tokens,
-                     dtype, kv_dtype or None, args.peak_bw, args.peak_flops, name=args.config)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
-
-
-def main(argv=None) -> int:
-    """`python -m jaxllm.roofline ...`: the same as `jaxllm roofline ...`."""
-    p = argparse.ArgumentParser(prog="jaxllm roofline", description=_DESCRIPTION)
-    _add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run_roofline(args)
-    except ValueError as e:
-        print(f"jaxllm roofline: error: {e}", file=sys.stderr)
-        return 2
-
-
 def _dtype_name(name: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name, name)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,10 +31,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm import paths, sharding
-from jaxllm.config import ModelConfig, RopeConfig, read_json_object
-from jaxllm.params import Params, abstract_params, layer_specs, leaf_paths, top_specs
-from jaxllm.quant import QuantizedWeight, is_quantized, quantize_params
+from jaxllm.io import paths
+from jaxllm.layers.quant import QuantizedWeight
+from jaxllm.model import sharding
+from jaxllm.model.config import ModelConfig, RopeConfig, read_json_object
+from jaxllm.model.params import (Params, abstract_params, is_quantized, layer_specs, leaf_paths,
+                                 quantize_params, top_specs)
 
 CONFIG_FILE = "jaxllm_config.json"
 FORMAT = 2  # 2: with the arrays' digests
@@ -152,25 +154,6 @@ def save(params: Params, directory: str | os.PathLike) -> Path:
             meta["quant"], meta["dtype"] = "int8", jnp.dtype(params.dtype).name
         (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
     return directory
-
-
-def convert(src: str | os.PathLike | None, dst: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,
-            quant: str = "none") -> Path:
-    """`jaxllm convert SRC DST`: load a HF directory or GGUF file (None: the default model) on one
-    device or sharded over `mesh` (for models larger than one device), optionally quantized to
-    int8 (one device), and save it."""
-    from jaxllm.loader import load
-    from jaxllm.tokenizer import load_tokenizer
-
-    paths.make_empty_dir(Path(dst).absolute())  # before the load, which may take minutes
-    out = save(load(src, dtype=dtype, mesh=mesh, quant=quant), dst)
-    try:  # beside the weights, so DST alone serves `jaxllm generate --model DST`
-        tok = load_tokenizer(src)
-    except (FileNotFoundError, ValueError):
-        return out  # a weights-only source: the checkpoint is still whole
-    if jax.process_index() == 0:
-        tok.save(out)
-    return out
 
 
 def restore(directory: str | os.PathLike, *, dtype=None, mesh: Mesh | None = None,

@@ -23,6 +23,13 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # rms_norm_eps past it is infinit
 MAX_LAYERS = 4096
 MAX_EXPERTS = 4096
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Tokens that end a turn in the chat formats in use; one counts as a stop token when the model's
+# template writes it (llama.cpp keeps a similar list for its end-of-generation set).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<|return|>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>", "</s>",
+)
 
 
 def _fix(obj, name: str, value):

@@ -1,4 +1,7 @@
-"""int8 weight-only quantization: the `QuantizedWeight` pytree and `quantize_params`.
+"""int8 weight-only quantization: the `QuantizedWeight` leaf, `quantize` and `dequantize`.
+
+The leaf knows nothing of `Params`; which of the model's matrices are quantized, and
+`quantize_params`, live in model/params.py.
 
 A quantized matrix keeps the layout of the weight it replaces (outputs first, contraction axes
 minor; see params.py) as int8 `q` [O..., C], with one float32 scale per output channel [O...]:
@@ -19,22 +22,12 @@ in gpt-fast's int8 mode. Router matrices (tiny, and routing is sensitive) stay a
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-if TYPE_CHECKING:
-    from jaxllm.params import Params
-
 QUANT_MODES = ("none", "int8")
-
-# The quantized Layer fields and how many trailing axes each contracts (wo [D, K, G, H]: all of
-# K, G, H, one scale per D; the others keep only their last axis minor).
-LAYER_WEIGHTS = {"wqkv": 1, "wo": 3, "w_gate_up": 1, "w_down": 1, "experts_gate_up": 1,
-                 "experts_down": 1}
-
 
 @struct.dataclass
 class QuantizedWeight:
@@ -95,29 +88,6 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     return w[...]
 
 
-def quantize_leaf(name: str, w, tied: bool, dtype=None):
-    """Quantize parameter `name` (a Params path such as "layers.3.wqkv", "lm_head", "embed") when
-    it is one of the quantized matrices; anything else comes back unchanged."""
-    field = name.rsplit(".", 1)[-1]
-    if field in LAYER_WEIGHTS and name.startswith("layers."):
-        return quantize(w, LAYER_WEIGHTS[field], dtype)
-    if field == "lm_head" or (field == "embed" and tied):
-        return quantize(w, 1, dtype)
-    return w
-
-
-def quantizing_place(dtype, tied: bool):
-    """A `params.from_hf_tensors` place function: each matrix to quantize goes to the device as it
-    comes (float32 at most) and is quantized there, the rest is cast to `dtype`. The device holds
-    the quantized model plus one float tensor at a time, never the whole float model."""
-    dtype = jnp.dtype(dtype)
-
-    def place(path: str, x):
-        w = quantize_leaf(path, jnp.asarray(x), tied, dtype)
-        return w if isinstance(w, QuantizedWeight) else jnp.asarray(w, dtype)
-    return place
-
-
 def stored(w):
     """The array holding w's streamed bytes: a `QuantizedWeight`'s int8 values (its scales are
     few), any other weight itself."""
@@ -127,29 +97,3 @@ def stored(w):
 def weight_leaves(tree) -> list:
     """tree's leaves, each `QuantizedWeight` one leaf rather than its values and scales."""
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-
-
-def is_quantized(params: Params) -> bool:
-    """Whether any of params' matrices is a `QuantizedWeight`."""
-    return any(isinstance(x, QuantizedWeight) for x in weight_leaves(params))
-
-
-def quantize_params(params: Params, mode: str = "int8") -> Params:
-    """Params with the big matrices as int8 `QuantizedWeight`s (mode "none": unchanged)."""
-    if mode not in QUANT_MODES:
-        raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
-    if mode == "none":
-        return params
-    if params.tp is not None:
-        raise ValueError("int8 quantization of tensor-parallel (sharded) params is not implemented yet")
-    if is_quantized(params):
-        raise ValueError("these params are quantized already")
-    dtype, tied = params.dtype, params.lm_head is None
-
-    def quantize_layer(i, layer):
-        return layer.replace(**{f: quantize_leaf(f"layers.{i}.{f}", getattr(layer, f), tied, dtype)
-                                for f in LAYER_WEIGHTS if getattr(layer, f) is not None})
-    return params.replace(
-        layers=[quantize_layer(i, layer) for i, layer in enumerate(params.layers)],
-        embed=quantize_leaf("embed", params.embed, tied, dtype),
-        lm_head=None if tied else quantize_leaf("lm_head", params.lm_head, tied, dtype))

@@ -9,7 +9,7 @@ What this module owns:
   (`model.layers.{i}.self_attn.q_proj.weight`, [out, in]). The layout quirks llama.cpp's converter
   introduces (the Q/K row permutation of llama files, llama3 RoPE scaling baked into a tensor)
   are undone here, so everything downstream sees a plain HF checkpoint.
-- `gguf_tokenizer_info(path_or_header)`: the tokenizer metadata, for `jaxllm.tokenizer`.
+- `gguf_tokenizer_info(path_or_header)`: the tokenizer metadata, for `jaxllm.text.tokenizer`.
 
 The parser is our own rather than `gguf.GGUFReader`: it is ~20x faster on a 100k-string vocabulary
 and turns every malformed-file case into a `ValueError` instead of a struct/numpy traceback.
@@ -32,7 +32,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from jaxllm.config import ModelConfig
+from jaxllm.io.paths import default_model_path
+from jaxllm.model.config import END_OF_TURN_TOKENS, ModelConfig
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 counted with 32-bit integers; llama.cpp dropped it in 2023
@@ -221,6 +222,28 @@ def gguf_tokenizer_info(path_or_header) -> dict:
     if "ggml.tokens" not in info:
         raise ValueError(f"{header.path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     return info
+
+
+def gguf_stop_ids(path_or_header) -> tuple[int, ...]:
+    """The ids that end a turn for a GGUF file's model, as the tokenizer built from it counts them:
+    its eos, eot and eom tokens, then each of `END_OF_TURN_TOKENS` that its chat template writes.
+    Read here rather than through the tokenizer, so that loading weights needs no text layer."""
+    info = gguf_tokenizer_info(path_or_header)
+    tokens = info["ggml.tokens"]
+    ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        i = info.get(f"ggml.{key}")
+        if i is None or (type(i) is int and i in GGUF_NO_TOKEN):
+            continue
+        if type(i) is not int or not 0 <= i < len(tokens):
+            raise ValueError(f"{_header(path_or_header).path}: tokenizer.ggml.{key} = {i!r:.80} is not "
+                             f"a token id of the vocabulary")
+        ids.append(i)
+    template = info.get("chat_template")
+    if isinstance(template, str):
+        index = {t: i for i, t in enumerate(tokens)}  # the last of equal strings, as a vocabulary keeps it
+        ids += [index[t] for t in END_OF_TURN_TOKENS if t in template and t in index]
+    return tuple(dict.fromkeys(ids))
 
 
 # --- architectures ---------------------------------------------------------------------------
@@ -531,7 +554,6 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
     """`(hf_config, tensors)` of a GGUF file (default: the default model), tensors float32 with HF
     names and layouts; `lm_head.weight` only when the file has its own output matrix."""
     if path is None:
-        from jaxllm.paths import default_model_path
         path = default_model_path()
     header = read_gguf_header(path)
     config = gguf_to_hf_config(header)

@@ -37,10 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.cache import KVCache
-from jaxllm.config import ModelConfig
-from jaxllm.params import Params, TensorSource, _Axes, abstract_params, from_hf_tensors, init_params, \
-    logical_axes, named_specs
+from jaxllm.model.cache import KVCache
+from jaxllm.model.config import ModelConfig
+from jaxllm.model.params import Params, _Axes, abstract_params, init_params, logical_axes, named_specs
 
 TP = "tp"
 DATA = "data"
@@ -181,23 +180,6 @@ def shard_call(fn: Callable, params: Params, tokens_BT, cache: KVCache, *, logit
     return local(params, tokens_BT, cache)
 
 
-def is_split(local: int, total: int) -> bool:
-    """Inside shard_map: does a dimension of `local` entries hold only part of `total`?"""
-    return local < total
-
-
-def embed_lookup(embed_VD, tokens_BT, axis: str | None, vocab_size: int):
-    """Rows of the embedding; with a vocab-split table, each device looks up the ids it holds
-    (zeros for the others) and one psum assembles the rows (exact: a sum of one row and zeros)."""
-    if axis is None or not is_split(embed_VD.shape[0], vocab_size):
-        return embed_VD[tokens_BT]
-    V_local = embed_VD.shape[0]
-    local_BT = tokens_BT - jax.lax.axis_index(axis) * V_local
-    mine_BT = (local_BT >= 0) & (local_BT < V_local)
-    x_BTD = embed_VD[jnp.clip(local_BT, 0, V_local - 1)]
-    return jax.lax.psum(jnp.where(mine_BT[..., None], x_BTD, jnp.zeros((), x_BTD.dtype)), axis)
-
-
 # --- Putting params on the mesh -----------------------------------------------------------------
 
 
@@ -264,23 +246,3 @@ def per_device_bytes(params: Params) -> int:
         for d in x.sharding.device_set:
             total[d] = total.get(d, 0) + int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
     return max(total.values())
-
-
-def from_hf_sharded(cfg: ModelConfig, source: TensorSource, dtype, mesh: Mesh, *,
-                    expert_parallel: bool = False, progress=None, threads: int = 1,
-                    buffer_bytes: int = 1 << 32) -> Params:
-    """Convert HF-named tensors straight into shards: each parameter is made on the host (as
-    `from_hf_tensors` makes it, `threads` at a time), and each device receives only its slice,
-    cast to `dtype` per slice."""
-    layout, tp = plan(cfg, mesh, expert_parallel)
-    axes = _axes_by_path(layout)
-    np_dtype = jnp.dtype(dtype)
-
-    def place(path: str, x: np.ndarray) -> jax.Array:
-        x = to_layout(path.rsplit(".", 1)[-1], x, cfg, tp.kv_replicas)
-        sharding = NamedSharding(mesh, _spec(tp, axes[path]))
-        return jax.make_array_from_callback(x.shape, sharding,
-                                            lambda index: np.ascontiguousarray(x[index], np_dtype))
-    params = from_hf_tensors(cfg, source, dtype=dtype, place=place, progress=progress,
-                             threads=threads, buffer_bytes=buffer_bytes)
-    return params.replace(config=layout, tp=tp)

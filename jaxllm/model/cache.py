@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxllm.config import INT32_MAX, ModelConfig
+from jaxllm.model.config import INT32_MAX, ModelConfig
 
 
 @struct.dataclass

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.paths import make_empty_dir
-from jaxllm.params import Params, abstract_params, leaf_paths, named_specs
-from jaxllm.quant import QUANT_MODES, QuantizedWeight, quantize, quantize_leaf
+from jaxllm.io import checkpoint
+from jaxllm.io.paths import make_empty_dir
+from jaxllm.layers.quant import QUANT_MODES, QuantizedWeight, quantize
+from jaxllm.model.config import ModelConfig, RopeConfig
+from jaxllm.model.params import Params, abstract_params, leaf_paths, named_specs, quantize_leaf
 
 # Llama 3.1 / 3.2 RoPE: the "llama3" frequency scaling of an 8192-token original context.
 _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -99,11 +100,10 @@ def get_config(name_or_path: str | os.PathLike) -> ModelConfig:
     if not str(name_or_path).strip():  # Path("") is the current directory: never what was meant
         raise ValueError(f"empty model name: give a preset ({', '.join(PRESETS)}) or a checkpoint path")
     path = Path(name_or_path)
-    from jaxllm import checkpoint
     if path.is_dir() and checkpoint.is_checkpoint(path):
         return checkpoint.read_config(path)
     if path.is_file() and path.suffix == ".gguf":
-        from jaxllm.gguf import gguf_to_hf_config
+        from jaxllm.io.gguf import gguf_to_hf_config  # lazy: the gguf package is slow to import
         return ModelConfig.from_hf(gguf_to_hf_config(path))
     if path.is_dir() or path.name == "config.json":
         return ModelConfig.from_hf(path)
@@ -167,7 +167,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, scale: fl
     Vectors (norm weights, output biases) are ones; every other tensor is normal(0, scale), so no
     timing runs on zeros. Unlike `init_params` (which draws each tensor whole in float32), the
     transient memory is at most one piece, so peak-memory readings after it reflect the model.
-    With quant="int8" each matrix that `quant.quantize_params` quantizes is quantized piece by
+    With quant="int8" each matrix that `params.quantize_params` quantizes is quantized piece by
     piece as it is drawn: the same params as quantize_params of the float ones, but the device
     holds one float piece at a time, never a float matrix beside the int8 model.
 

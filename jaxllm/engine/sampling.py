@@ -19,8 +19,8 @@ from jax import lax
 import numpy as np
 from flax import struct
 
-from jaxllm.config import FLOAT32_MAX, INT32_MAX
 from jaxllm.env import env_number
+from jaxllm.model.config import FLOAT32_MAX, INT32_MAX
 
 
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import jax
 
-from jaxllm import paths
 from jaxllm.env import env_flag
+from jaxllm.io import paths
 
 ENV_OFF = "JAXLLM_NO_COMPILE_CACHE"
 log = logging.getLogger("jaxllm")

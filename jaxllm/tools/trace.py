@@ -10,12 +10,11 @@ sampling) and that of the collectives (a sharded model's all-reduces and all-gat
 come from the HLO the profiler stores in the xplane file, whose op metadata carries the
 `jax.named_scope` path of every instruction.
 
-`compile_count` / `check_recompile` are the hook around calls of jitted entry points: the first
-compilation of a function for a model is expected, each later new shape gets one
-`RecompileWarning` naming it.
+The recompile warnings and `kernel_view` live in engine/compile.py, on the generate path; they
+are named here too, where a user of the traces looks for them.
 
-The module is callable: `jaxllm.trace(dir)` is `jaxllm.trace.trace(dir)`, so the context manager
-and the module's other names (`jaxllm.trace.summarize`) live under one name without shadowing.
+The module is callable: `jaxllm.trace(dir)` is `jaxllm.tools.trace.trace(dir)`, so the context manager
+and the module's other names (`jaxllm.tools.trace.summarize`) live under one name without shadowing.
 """
 
 from __future__ import annotations
@@ -28,14 +27,15 @@ import json
 import os
 import re
 import sys
-import threading
 import types
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
+
+from jaxllm.engine.compile import RecompileWarning, kernel_view  # noqa: F401 (a trace user's names)
 
 # ----------------------------------------------------------------------------------------------
 # Taking a trace
@@ -82,30 +82,6 @@ class Trace:
         lines.append(f"  XProf:    xprof --logdir {self.log_dir} --port 8791, then http://localhost:8791 "
                      "(pip install xprof)")
         return "\n".join(lines)
-
-
-_KERNEL_VIEW = 0  # how many `kernel_view` blocks are open
-
-
-@contextlib.contextmanager
-def kernel_view():
-    """Within this block `generate` runs a token loop whose decode kernels a profiler records:
-    outside it, the whole loop is one CUDA graph (see generate.LOOP_GRAPH_OPTIONS), and the
-    profiler shows no kernel of a step replayed inside it. The kernels are the same; the loop
-    waits on the host between steps (1-3% slower for small models). `trace` and
-    `trace_steady` open it themselves; open it around the warm-up calls before a `trace` too,
-    or the first call in the trace compiles."""
-    global _KERNEL_VIEW
-    _KERNEL_VIEW += 1
-    try:
-        yield
-    finally:
-        _KERNEL_VIEW -= 1
-
-
-def kernels_visible() -> bool:
-    """Whether a `kernel_view` block is open."""
-    return _KERNEL_VIEW > 0
 
 
 @contextlib.contextmanager
@@ -686,80 +662,6 @@ def _read_module(module_proto) -> _Module:
 def _clean_scope(op_name: str) -> str:
     """'jit(_generate_core)/while/body/decode/layer_0/mlp/dot_general' -> 'decode/layer_0/mlp/dot_general'."""
     return "/".join(p for p in op_name.split("/") if p and not _NOISE.match(p))
-
-
-# ----------------------------------------------------------------------------------------------
-# Recompilation warnings
-
-
-class RecompileWarning(UserWarning):
-    """A jitted jaxllm function compiled again for a new shape in this process."""
-
-
-_lock = threading.Lock()
-_shapes: dict[tuple[str, Hashable], list[str]] = {}
-
-
-def compile_count(fn) -> int | None:
-    """How many compiled versions jitted `fn` holds now (None if this JAX cannot tell)."""
-    size = getattr(fn, "_cache_size", None)
-    try:
-        return size() if size is not None else None
-    except Exception:
-        return None
-
-
-def check_recompile(fn, before: int | None, name: str, describe: Callable[[], str],
-                    group: Hashable = None) -> bool:
-    """After a call of jitted `fn`: if it compiled (its count grew past `before`), note the shape.
-
-    The hook around a jitted entry point, in two lines:
-        n = compile_count(_core); out = _core(...); check_recompile(_core, n, "generate", ...)
-    `group` keeps the first compilation of each model quiet (pass the config and dtype);
-    `describe()` names the shape, e.g. "batch 1, prompt bucket 64, cache 128". Returns whether it
-    warned.
-    """
-    after = compile_count(fn)
-    if before is None or after is None or after <= before:
-        return False
-    return note_compile(name, describe(), group, stacklevel=4)  # warn at the jaxllm caller's caller
-
-
-def note_compile(name: str, shape: str, group: Hashable = None, *, stacklevel: int = 2) -> bool:
-    """Record that `name` compiled for `shape`; warn once if it had compiled for another shape."""
-    with _lock:
-        seen = _shapes.setdefault((name, group), [])
-        if shape in seen:
-            return False
-        seen.append(shape)
-        if len(seen) == 1:
-            return False
-        before = seen[-2]
-    warnings.warn(
-        f"jaxllm: recompiling {name} for {shape} (new shape; compiled before for {before}). "
-        "Each new shape costs a compilation: keep prompt lengths, batch sizes and "
-        "max_new_tokens within few buckets.", RecompileWarning, stacklevel=stacklevel)
-    return True
-
-
-def shape_text(batch: int, prompt_bucket: int, cache_length: int, steps: int | None = None,
-               sampling=None) -> str:
-    """'batch 1, prompt bucket 64, 64 new-token steps, cache 128, greedy': what a compile keys on."""
-    parts = [f"batch {batch}", f"prompt bucket {prompt_bucket}"]
-    if steps is not None:
-        parts.append(f"{steps} new-token steps")
-    parts.append(f"cache {cache_length}")
-    if sampling is not None:  # a SamplingConfig: static() is (greedy, top_k, top_p, min_p, penalty)
-        greedy, *on = sampling.static()
-        used = [n for n, o in zip(("top_k", "top_p", "min_p", "repetition penalty"), on) if o]
-        parts.append(("greedy" if greedy else "sampling") + (" with " + ", ".join(used) if used else ""))
-    return ", ".join(parts)
-
-
-def compiled_shapes(name: str, group: Hashable = None) -> list[str]:
-    """The shapes `name` has compiled for in this process, in order."""
-    with _lock:
-        return list(_shapes.get((name, group), []))
 
 
 class _CallableModule(types.ModuleType):

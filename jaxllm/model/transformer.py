@@ -2,8 +2,8 @@
 
 `forward` scores whole sequences (no cache kept). `prefill` and `decode_step` write new tokens
 into a `KVCache` at each row's end and return logits for the last position only. The public
-`prefill`/`decode_step` check their inputs on the host; `step` is the jitted pure function they
-call, for engines that keep their own bookkeeping.
+`forward`/`prefill`/`decode_step` (engine/steps.py) check their inputs on the host; `step` is the
+jitted pure function they call, for engines that keep their own bookkeeping.
 """
 
 import math
@@ -12,16 +12,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxllm import kernels
-from jaxllm import layers as L
-from jaxllm import sharding
-from jaxllm.cache import KVCache, init_cache
-from jaxllm.config import ModelConfig, rope_frequencies
-from jaxllm.memory import check_fit
-from jaxllm.params import Layer, Params, require_params
-from jaxllm.quant import QuantizedWeight
+from jaxllm.layers import dense as L
+from jaxllm.layers.quant import QuantizedWeight
+from jaxllm.model import sharding
+from jaxllm.model.cache import KVCache, init_cache
+from jaxllm.model.config import ModelConfig, rope_frequencies
+from jaxllm.model.params import Layer, Params
 
 
 def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv, end_B,
@@ -77,7 +75,7 @@ def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
     """The output projection of the heads [B, T, K*G*H], psummed over `axis` if heads are split."""
     # One flat contraction over (K, G, H): given as three axes, XLA transposed all of wo per step.
     out_BTD = L.project(heads_BTC, layer.wo.reshape(layer.wo.shape[0], -1))
-    if axis is not None and sharding.is_split(layer.wqkv.shape[0], cfg.num_kv_heads):
+    if axis is not None and L.is_split(layer.wqkv.shape[0], cfg.num_kv_heads):
         out_BTD = jax.lax.psum(out_BTD, axis)  # each device's heads add a part; the bias comes once
     if layer.bo is not None:
         out_BTD = out_BTD + layer.bo
@@ -103,7 +101,7 @@ def _write(cache_BKSH, new_BKTH, scale_BKS, end_B):
 
 def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
     """Dense or MoE SwiGLU; with `axis`, F (or the experts) may be the device's part: psum then."""
-    split = (lambda local, total: axis is not None and sharding.is_split(local, total))
+    split = (lambda local, total: axis is not None and L.is_split(local, total))
     if moe:
         experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
         # The routing kernel outside shard_map only: inside it, not yet run on GPUs.
@@ -189,7 +187,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
             fused_static = (mode == "interpret", proj is not None)  # o's kernel may combine splits
         masks = dict.fromkeys(windows) if mode else \
             {w: L.visible_mask(q_slots_BT, cache.start, cache.length, w) for w in windows}
-    x_BTD = sharding.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
+    x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
     # Residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then x_BTD through
     # the norm that comes next, made by the same pass. In a prefill always; in a decode step
     # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
@@ -516,96 +514,3 @@ def jitted_step():
         _step_jit[backend] = jax.jit(step, donate_argnums=_donate_cache(), static_argnames=("fresh", "all_logits"),
                                      compiler_options=AUTOTUNE_OPTIONS)
     return _step_jit[backend]
-
-
-def _holds_bool(x) -> bool:
-    """Whether nested lists or tuples hold a bool anywhere."""
-    if isinstance(x, (list, tuple)):
-        return any(_holds_bool(t) for t in x)
-    return isinstance(x, (bool, np.bool_))
-
-
-def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
-    """Host-side validation of token ids: integers inside [0, V); returned as int32."""
-    try:
-        arr = np.asarray(tokens)
-    except ValueError:  # numpy's "inhomogeneous shape"
-        raise ValueError("token ids must be a rectangular array: the rows differ in length or hold "
-                         "nested lists (generate pads rows of different lengths)") from None
-    if arr.size == 0:  # numpy makes an empty list float64: its dtype says nothing
-        return arr.astype(np.int32)
-    if arr.dtype.kind in "iuO" and _holds_bool(tokens):  # numpy made a True among ints 1
-        raise ValueError("token ids must be integers, got a bool among them (True would be token 1)")
-    if arr.dtype == object and all(isinstance(t, int) and not isinstance(t, bool) for t in arr.flat):
-        # Python ints too large for any integer dtype: name one rather than the dtype
-        raise ValueError(f"token id {max(arr.flat, key=abs)} out of range: the vocabulary has "
-                         f"{config.vocab_size} ids (0..{config.vocab_size - 1})")
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
-        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-        raise ValueError(f"token id {bad} out of range: the vocabulary has {config.vocab_size} ids "
-                         f"(0..{config.vocab_size - 1})")
-    return arr.astype(np.int32)
-
-
-def forward(params: Params, tokens_BT) -> jax.Array:
-    """Logits [B, T, V] (float32) of whole sequences, no cache kept (scoring, tests)."""
-    tokens = check_tokens(require_params(params).config, tokens_BT)
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be a non-empty [B, T] array, got shape {tokens.shape}")
-    if tokens.shape[1] > params.config.max_position_embeddings:
-        raise ValueError(f"{tokens.shape[1]} tokens exceed the model's context of "
-                         f"{params.config.max_position_embeddings}")
-    check_fit(params, *tokens.shape, tokens.shape[1], all_logits=True)
-    return _forward(params, jnp.asarray(tokens))
-
-
-def check_kv_int8(params: Params, int8: bool) -> None:
-    """ValueError for an int8 KV cache with sharded params, which the model cannot run yet."""
-    if int8 and params.tp is not None:
-        raise ValueError("an int8 KV cache with tensor-parallel (sharded) params is not implemented yet")
-
-
-def _check_room(cache: KVCache, new: int, params: Params) -> int:
-    """The cache's furthest row end, after checking that it is this model's and that `new` more
-    tokens fit in every row."""
-    cfg = require_params(params).config
-    made = (len(cache.k), cache.k[0].shape[1], cache.k[0].shape[3]) if cache.k else (0, 0, 0)
-    if made != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
-        raise ValueError(f"the cache was made for another model: {made[0]} layers of {made[1]} KV heads of "
-                         f"{made[2]} values, where this model has {cfg.num_layers} layers of "
-                         f"{cfg.num_kv_heads} KV heads of {cfg.head_dim}")
-    check_kv_int8(params, cache.k_scale is not None)
-    start, end = (np.asarray(x) for x in jax.device_get((cache.start, cache.end)))
-    furthest = int(end.max())
-    if furthest + new > cache.length:
-        raise ValueError(f"cache full: writing {new} token(s) at slot {furthest} needs "
-                         f"{furthest + new} slots, the cache has {cache.length}")
-    context = params.config.max_position_embeddings
-    last = int((end - start).max()) + new - 1  # the position of the longest row's last token
-    if last >= context:
-        raise ValueError(f"writing {new} token(s) at slot {furthest} reaches position {last}, past the "
-                         f"model's context of {context} tokens")
-    return furthest
-
-
-def prefill(params: Params, tokens_BT, cache: KVCache):
-    """Write a [B, T] block of prompt tokens (left-padded to cache.start); logits [B, V] of the last."""
-    tokens = check_tokens(require_params(params).config, tokens_BT)
-    if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != cache.batch:
-        raise ValueError(f"prefill needs [B={cache.batch}, T>0] tokens, got shape {tokens.shape}")
-    fresh = _check_room(cache, tokens.shape[1], params) == 0
-    return jitted_step()(params, jnp.asarray(tokens), cache, fresh=fresh)
-
-
-def decode_step(params: Params, tokens_B, cache: KVCache, rotation=None):
-    """Write one token per row at the row's end; returns (logits [B, V], cache). The cache is donated.
-
-    `rotation`: `rotation_table(params.config, cache.length)`, made once by a loop of steps
-    (unsharded params), which spares each step making it."""
-    tokens = check_tokens(require_params(params).config, tokens_B)
-    if tokens.shape != (cache.batch,):
-        raise ValueError(f"decode_step needs [B={cache.batch}] tokens, got shape {tokens.shape}")
-    _check_room(cache, 1, params)
-    return jitted_step()(params, jnp.asarray(tokens)[:, None], cache, rotation=rotation)

@@ -30,19 +30,12 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from jaxllm.chat_template import ChatTemplateError, render_chat_template
+from jaxllm.io.paths import default_model_path
+from jaxllm.model.config import END_OF_TURN_TOKENS
+from jaxllm.text.chat_template import ChatTemplateError, render_chat_template
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
-
-# Tokens that end a turn in the chat formats in use; one counts as a stop token when the model's
-# template writes it (llama.cpp keeps a similar list for its end-of-generation set).
-END_OF_TURN_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-    "<|end_of_text|>", "<|return|>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>",
-    "<end_of_utterance>", "</s>",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Specials:
@@ -390,7 +383,7 @@ def _typed(info: dict, key: str, kind: type, path: Path):
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from jaxllm.gguf import GGUF_NO_TOKEN, gguf_tokenizer_info
+    from jaxllm.io.gguf import GGUF_NO_TOKEN, gguf_tokenizer_info  # lazy: the gguf package is slow to import
 
     info = gguf_tokenizer_info(path)
     tokens = _typed(info, "ggml.tokens", list, path)
@@ -551,7 +544,6 @@ def _from_hf_directory(directory: Path) -> Tokenizer:
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     """The tokenizer of a model: None (the default model), a .gguf file, or an HF directory."""
     if path is None:
-        from jaxllm.paths import default_model_path
         path = default_model_path()
     path = Path(path)
     if path.is_dir():

@@ -17,18 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import layers as L
-from jaxllm import memory
-from jaxllm.cache import init_cache, is_int8
+from jaxllm.engine import memory
+from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
+from jaxllm.engine.memory import check_fit
+from jaxllm.engine.sampling import (INT32_MAX, SamplingConfig, SamplingFlags, SamplingParams,
+                                    apply_presence_frequency_penalty, apply_repetition_penalty, row_keys,
+                                    sample, whole)
+from jaxllm.engine.steps import check_kv_int8, check_tokens
 from jaxllm.env import env_flag
-from jaxllm.memory import check_fit
-from jaxllm.model import AUTOTUNE_OPTIONS, check_kv_int8, check_tokens, jitted_step, rotation_table, step
-from jaxllm.params import Params, require_params
-from jaxllm.quant import is_quantized
-from jaxllm.sampling import (INT32_MAX, SamplingConfig, SamplingFlags, SamplingParams,
-                             apply_presence_frequency_penalty, apply_repetition_penalty, row_keys, sample,
-                             whole)
-from jaxllm.trace import check_recompile, compile_count, kernels_visible, shape_text
+from jaxllm.layers import dense as L
+from jaxllm.model.cache import init_cache, is_int8
+from jaxllm.model.params import Params, is_quantized, require_params
+from jaxllm.model.transformer import AUTOTUNE_OPTIONS, jitted_step, rotation_table, step
 
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile

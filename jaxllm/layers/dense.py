@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.env import env_choice, env_flag
-from jaxllm.quant import QuantizedWeight
+from jaxllm.layers.quant import QuantizedWeight
 
 
 def rms_norm(x, weight, eps: float):
@@ -166,6 +166,23 @@ def mlp(x_BTD, w_gate_up_JFD, w_down_DF):
     gate_up_BTJF = project(x_BTD, w_gate_up_JFD)
     hidden_BTF = jax.nn.silu(gate_up_BTJF[:, :, 0]) * gate_up_BTJF[:, :, 1]
     return project(hidden_BTF, w_down_DF)
+
+
+def is_split(local: int, total: int) -> bool:
+    """Inside shard_map: does a dimension of `local` entries hold only part of `total`?"""
+    return local < total
+
+
+def embed_lookup(embed_VD, tokens_BT, axis: str | None, vocab_size: int):
+    """Rows of the embedding; with a vocab-split table, each device looks up the ids it holds
+    (zeros for the others) and one psum assembles the rows (exact: a sum of one row and zeros)."""
+    if axis is None or not is_split(embed_VD.shape[0], vocab_size):
+        return embed_VD[tokens_BT]
+    V_local = embed_VD.shape[0]
+    local_BT = tokens_BT - jax.lax.axis_index(axis) * V_local
+    mine_BT = (local_BT >= 0) & (local_BT < V_local)
+    x_BTD = embed_VD[jnp.clip(local_BT, 0, V_local - 1)]
+    return jax.lax.psum(jnp.where(mine_BT[..., None], x_BTD, jnp.zeros((), x_BTD.dtype)), axis)
 
 
 # Mixture of experts. Two more letters for routed tokens: M = B*T tokens in one row, and

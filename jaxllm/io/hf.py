@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxllm.config import ModelConfig, read_json_object
+from jaxllm.model.config import ModelConfig, read_json_object
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 

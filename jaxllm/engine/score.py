@@ -1,4 +1,4 @@
-"""`jaxllm perplexity FILE`: a model's next-token loss on a text, to show what quantization costs.
+"""Perplexity: a model's next-token loss on token ids (`jaxllm perplexity FILE` prints it).
 
 The text is tokenized as the model's tokenizer does it (special tokens included where it adds
 any), cut to --max-tokens, and scored in windows of C = --context tokens through the pure
@@ -16,19 +16,11 @@ optax's softmax cross-entropy on the float32 logits; ppl = exp(nll).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
-_DESCRIPTION = ("Perplexity of a model on a text file: mean next-token negative log-likelihood over "
-                "windows of --context tokens (each token after the first predicted once), printed as "
-                "JSON. Text on every machine: the source of a Python standard-library module, e.g. "
-                "$(python -c 'import argparse; print(argparse.__file__)').")
-
+from jaxllm.engine.steps import check_tokens, forward
 
 def windows(ids, context: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [W, C] int32, mask [W, C-1] bool): windows sharing one token, the last padded.
@@ -67,9 +59,6 @@ def perplexity(params, ids, context: int = 512, batch: int = 4) -> dict:
     """{"nll", "ppl", "tokens" (predicted), "windows"} of the token ids `ids` under `params`."""
     import jax
 
-    import jaxllm
-    from jaxllm.model import check_tokens
-
     tokens, mask = windows(check_tokens(params.config, ids), context)  # windows checks the shape
     rows = len(tokens)
     batch = max(1, min(batch, rows))
@@ -79,68 +68,8 @@ def perplexity(params, ids, context: int = 512, batch: int = 4) -> dict:
     loss = jax.jit(_loss_sum)
     total = 0.0
     for b in range(0, len(tokens), batch):
-        logits = jaxllm.forward(params, tokens[b:b + batch])
+        logits = forward(params, tokens[b:b + batch])
         total += float(loss(logits, tokens[b:b + batch], mask[b:b + batch]))
     predicted = int(mask.sum())
     nll = total / predicted
     return dict(nll=nll, ppl=math.exp(nll), tokens=predicted, windows=rows)
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxllm.cli import _positive_int, add_model_args
-
-    p.add_argument("file", metavar="FILE", help="a UTF-8 text file")
-    add_model_args(p)
-    p.add_argument("--context", type=_positive_int, default=512, metavar="C",
-                   help="tokens per window (default: 512)")
-    p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
-                   help="score only the first N tokens of the text (default: all)")
-    p.add_argument("--batch", type=_positive_int, default=4, metavar="B",
-                   help="windows per forward call (default: 4)")
-
-
-def add_perplexity(subparsers) -> None:
-    """The `jaxllm perplexity` subcommand, in the shape of cli.SUBCOMMANDS entries."""
-    p = subparsers.add_parser("perplexity", help="next-token perplexity of a model on a text file",
-                              description=_DESCRIPTION)
-    _add_arguments(p)
-    p.set_defaults(run=run_perplexity)
-
-
-def run_perplexity(args: argparse.Namespace) -> int:
-    """Print one JSON object: ppl, nll, tokens, windows, model, quant, dtype, context, file."""
-    from jaxllm.cli import UsageError, load_model
-
-    path = Path(args.file)
-    if not path.is_file():
-        raise UsageError(f"no text file at {args.file}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    params, tok = load_model(args)
-    ids = tok.encode(text, add_special_tokens=True)[:args.max_tokens]
-    result = perplexity(params, ids, args.context, args.batch)
-    from jaxllm import paths
-    print(json.dumps(dict(result, model=str(args.model or paths.default_model_path()),
-                          quant=args.quant, dtype=str(params.dtype), context=args.context,
-                          file=str(path))))
-    return 0
-
-
-def main(argv=None) -> int:
-    """`python -m jaxllm.perplexity ...`: the same as `jaxllm perplexity ...`."""
-    from jaxllm.cli import UsageError
-
-    p = argparse.ArgumentParser(prog="jaxllm perplexity", description=_DESCRIPTION)
-    _add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run_perplexity(args)
-    except (UsageError, ValueError, FileNotFoundError) as e:
-        print(f"jaxllm perplexity: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

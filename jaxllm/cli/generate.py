@@ -1,0 +1,158 @@
+"""`jaxllm generate` and `jaxllm chat`: a prompt's answer, or a conversation, streamed as text."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import warnings
+from typing import Iterator
+
+import jaxllm
+from jaxllm.cli.common import (UsageError, add_model_args, add_sampling_args, add_system_arg, add_trace_arg,
+                               load_model, sampling_kwargs)
+from jaxllm.tools.trace import trace
+
+
+def stop_ids(params, tok) -> list[int]:
+    """The model's stop ids and the tokenizer's (a chat model's end-of-turn token among them)."""
+    return list(dict.fromkeys([*params.config.eos_token_ids, *tok.eos_token_ids]))
+
+
+def _tracer(trace_dir: str):
+    """`jaxllm.tools.trace.trace`, which says how to open the trace."""
+    return trace(trace_dir)
+
+
+def _traced(tokens: Iterator[int], trace_dir: str | None, notes: list[str], warmup: int = 2) -> Iterator[int]:
+    """Pass the tokens through; trace from token `warmup` on, once prefill and decode are compiled.
+
+    `stream` brings every token to the host, so the traced steps are complete when the trace ends.
+    Where the trace went is appended to `notes`, for after the answer.
+    """
+    if trace_dir is None:
+        yield from tokens
+        return
+    count, info = 0, None
+    with contextlib.ExitStack() as stack:
+        for token in tokens:
+            if count == warmup:
+                info = stack.enter_context(_tracer(trace_dir))
+            count += 1
+            yield token
+    if count <= warmup:
+        notes.append("jaxllm: the answer ended before the decode loop warmed up; no trace written")
+    elif hasattr(info, "how_to_open"):
+        notes.append(f"jaxllm: decode steps from token {warmup} on: {info.how_to_open()}")
+        notes.append(str(info.summary(top=10)))  # what the steps spent their time on, from the trace
+    else:
+        notes.append(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}")
+
+
+def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: str | None = None) -> str:
+    """Generate from `ids`, writing each complete piece of text to `out` as it comes; returns the text."""
+    out = out or sys.stdout
+    stops = stop_ids(params, tok)
+    detok = tok.stream()
+    pieces, notes = [], []
+    # `stream` ends after a stop token, which is not shown; running it out lets the trace close.
+    for token in _traced(jaxllm.stream(params, ids, eos_token_ids=stops, **kwargs), trace_dir, notes):
+        if token in stops:
+            continue
+        piece = detok.push(token)
+        if piece:
+            out.write(piece)
+            out.flush()
+            pieces.append(piece)
+    tail = detok.flush()
+    out.write(tail + "\n")
+    out.flush()
+    for note in notes:
+        print(note, file=sys.stderr)
+    pieces.append(tail)
+    return "".join(pieces)
+
+
+def encode_chat(tok, messages: list[dict]) -> list[int]:
+    """The chat template rendered over the whole history, then encoded (the template holds the BOS)."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def add_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="answer one prompt, streaming the text",
+                              description="Answer one prompt, streaming the text as it is produced. "
+                                          "The chat template is applied when the model has one.")
+    p.add_argument("prompt", help="the prompt (the user message, or raw text with --no-chat)")
+    add_model_args(p)
+    add_system_arg(p)
+    add_trace_arg(p)
+    add_sampling_args(p)
+    p.add_argument("--no-chat", action="store_true",
+                   help="feed the prompt as raw text, without the chat template")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    kwargs = sampling_kwargs(args)
+    params, tok = load_model(args)
+    if args.no_chat or tok.chat_template is None:
+        if args.system is not None:
+            raise UsageError("--system needs the chat template (the model has none, or --no-chat was given)")
+        ids = tok.encode(args.prompt, add_special_tokens=True)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        ids = encode_chat(tok, messages + [{"role": "user", "content": args.prompt}])
+    stream_text(params, tok, ids, kwargs, trace_dir=args.trace_dir)
+    return 0
+
+
+def add_chat(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="talk with the model; /reset clears the history, /exit ends",
+                              description="An interactive chat that keeps the history: one user "
+                                          "message per line. /reset clears the history; /exit or "
+                                          "end of input (Ctrl-D) ends.")
+    add_model_args(p)
+    add_system_arg(p)
+    add_trace_arg(p)
+    add_sampling_args(p)
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    kwargs = sampling_kwargs(args)
+    params, tok = load_model(args)
+    if tok.chat_template is None:
+        raise UsageError("this model has no chat template; use `jaxllm generate --no-chat`")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    history: list[dict] = []
+    # The prompt grows each turn and crosses length buckets: those recompilations are expected here.
+    warnings.filterwarnings("ignore", message="jaxllm: recompiling")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("jaxllm chat: /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print()  # Ctrl-D leaves the cursor after the prompt
+            break
+        text = line.strip()
+        if text == "/exit":
+            break
+        if text == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not text:
+            continue
+        messages = system + history + [{"role": "user", "content": text}]
+        try:
+            # Re-rendering the whole history each turn is simple and always what the template means.
+            answer = stream_text(params, tok, encode_chat(tok, messages), kwargs, trace_dir=args.trace_dir)
+        except ValueError as e:  # e.g. the history outgrew the context: keep the session alive
+            print(f"jaxllm: {e} (/reset clears the history)", file=sys.stderr)
+            continue
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    return 0

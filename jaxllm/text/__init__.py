@@ -1,0 +1,1 @@
+"""Text: the tokenizer and the sandboxed chat template."""
