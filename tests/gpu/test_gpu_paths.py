@@ -32,7 +32,7 @@ from jaxllm.cache import init_cache
 from jaxllm.presets import PRESETS, random_params
 from jaxllm.quant import quantize, quantize_params
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # slow too: `-m "not slow"` replaces addopts' -m
 
 bf16, f32 = jnp.bfloat16, jnp.float32
 
