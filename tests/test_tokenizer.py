@@ -237,6 +237,7 @@ RUNAWAY_TEMPLATES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNAWAY_TEMPLATES))
 def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, name):
     """A template that would hang or exhaust memory fails within the time limit, naming the limit,
