@@ -176,6 +176,7 @@ def test_int8_default_model_still_answers_paris(models, tok):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow
 def test_load_int8_quantizes_each_tensor_as_quantize_params_does(models):
     _, q = models
     loaded = jaxllm.load(dtype="float32", quant="int8")

@@ -58,6 +58,7 @@ def test_trace_is_written_with_the_model_scopes(traced):
     assert traced.output.tokens.shape == (1, 8)
 
 
+@pytest.mark.slow
 def test_summary_lists_real_ops_with_their_scopes(traced):
     every = summarize(traced.log_dir, top=None)
     assert sum(op.share for op in every) == pytest.approx(1.0, abs=1e-6)
@@ -295,6 +296,7 @@ def test_generate_loops_on_the_host_while_a_trace_needs_its_kernels(monkeypatch)
 # --- bad input: a ValueError or TypeError naming it, before any work ------------------------------
 
 
+@pytest.mark.slow
 def test_summarize_refuses_a_negative_or_non_integer_top(traced):
     every = summarize(traced.log_dir, top=None)
     assert len(summarize(traced.log_dir, top=len(every) + 5)) == len(every)
@@ -312,6 +314,7 @@ def _gz(path, payload: bytes):
     return path
 
 
+@pytest.mark.slow
 def test_summarize_names_a_file_that_is_no_chrome_trace(traced, tmp_path):
     xplane = next(traced.run_dir.glob("*.xplane.pb"))
     with pytest.raises(ValueError, match=r"xplane\.pb is not a gzipped Chrome trace.*run folder"):
