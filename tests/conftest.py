@@ -49,3 +49,15 @@ def tiny(tmp_path_factory):
 def llama(tiny) -> TinyModel:
     return tiny("llama")
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests, with the reason in the summary, where JAX has no GPU."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import jax
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on one")
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -50,6 +50,7 @@ def tiny_runs():
     return [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
     runs, stderr = tiny_runs
     assert [r["batch"] for r in runs] == [1, 2]
@@ -94,6 +95,7 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
     assert "roofline tiny" in stderr and "lm_head" in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--dtype", "float32", "--kv-dtype", "bf16"], "not implemented yet"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
@@ -106,6 +108,7 @@ def test_bench_refuses_what_it_cannot_measure(flags, message):
     assert proc.returncode == 2 and message in proc.stderr and not proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_int8_runs_on_quantized_weights():
     proc = _bench("--preset", "tiny", "--quant", "int8", "--prompt-len", "8", "--new-tokens", "16",
                   "--repeat", "1")
@@ -159,6 +162,7 @@ def test_bench_memory_figures_weigh_the_peak_against_weights_kv_and_activations(
     assert got["peak_pct_of_need"] == pytest.approx(100 * 3_000_000 / (param_bytes(params) + kv + act))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, extra", [("tiny", []), ("tiny-moe", ["--expert-parallel"])])
 def test_bench_tensor_parallel_on_two_devices(preset, extra):
     env_flags = "--xla_force_host_platform_device_count=2"
@@ -177,6 +181,7 @@ def test_bench_tensor_parallel_on_two_devices(preset, extra):
     assert r["decode_roofline_ms"] == pytest.approx(one["time_lb_s"] * 1e3 / 2, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bench_int8_kv_cache():
     proc = _bench("--preset", "tiny", "--batch", "2", "--prompt-len", "8", "--new-tokens", "16", "--repeat", "1",
                   "--kv-dtype", "int8")
@@ -188,6 +193,7 @@ def test_bench_int8_kv_cache():
     assert r["kv_cache_bytes"] == 2 * cfg.num_layers * 2 * r["cache_len"] * cfg.num_kv_heads * (cfg.head_dim + 4)
 
 
+@pytest.mark.slow
 def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     checkpoint = tmp_path / "tiny"
     proc = _bench("--preset", "tiny", "--write-checkpoint", str(checkpoint), timeout=300)
@@ -239,6 +245,7 @@ def test_fresh_drops_the_gpu_backends_libraries(tmp_path, monkeypatch):
     assert found == [plugin / "xla_cuda_plugin.so", lib / "libcublas.so.13"]
 
 
+@pytest.mark.slow
 def test_bench_reports_a_failed_run_as_json_and_fails():
     # Prompt + new tokens over the tiny model's 1024-token context: that run errors, others go on.
     # 16 new tokens, as the other runs here: with 8, a CI run's decode (generate's time less the
@@ -336,6 +343,7 @@ def test_random_params_fill_every_tensor_in_pieces(monkeypatch):
     assert np.array_equal(np.asarray(again.embed, np.float32), embed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,tied", [("tiny", False), ("tiny", True), ("tiny-moe", False)])
 def test_random_params_in_int8_are_quantized_piece_by_piece(name, tied, monkeypatch):
     # The same params as quantizing the float ones (the embedding too where it is the lm_head),
@@ -397,6 +405,7 @@ def test_random_params_allocate_every_buffer_before_drawing(quant_mode, monkeypa
 # Roofline against a hand count.
 
 
+@pytest.mark.slow
 def test_bench_floor_times_each_runs_reads_against_its_step():
     """--measure-floor: each run's line carries the time of reading its decode bytes as one array,
     the rate that gives and its share of the measured step; the probe names the bytes it read."""
@@ -555,6 +564,7 @@ def _refused(proc, message):
     assert proc.stderr.strip().splitlines()[-1].startswith("bench.py: error:"), proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "0"], "--tp: must be in [1,"),
     (["--tp", "-1"], "--tp: must be in [1,"),
@@ -572,6 +582,7 @@ def test_bench_refuses_bad_flags_before_any_run(flags, message):
     _refused(_bench("--preset", "tiny", *flags, timeout=120), message)
 
 
+@pytest.mark.slow
 def test_bench_refuses_bad_paths_before_any_run(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("keep")
@@ -624,6 +635,7 @@ def test_roofline_refuses_sizes_past_int32_and_keeps_huge_tables_aligned(capsys)
             assert row[end - 1] in "0123456789%" and row[end:end + 1] in ("", " "), (title, row)
 
 
+@pytest.mark.slow
 def test_roofline_reads_a_converted_checkpoint_and_refuses_an_empty_path(tmp_path, capsys, monkeypatch):
     from jaxllm.io import checkpoint
     converted = tmp_path / "converted"

@@ -49,6 +49,7 @@ def test_an_interrupt_while_the_request_is_sent_leaves_no_stale_reply(monkeypatc
     assert [render(n) for n in range(3)] == ["x0", "x1", "x2"]
 
 
+@pytest.mark.slow
 def test_a_stopped_render_process_times_out_while_the_request_is_sent(monkeypatch):
     """The time limit covers sending a conversation too large for the pipe to a child that does
     not read it."""
@@ -85,6 +86,7 @@ def test_a_runaway_in_one_thread_does_not_hold_up_another(monkeypatch):
     assert errors and "render process ended" in errors[0]
 
 
+@pytest.mark.slow
 def test_an_interrupt_while_a_render_process_starts_leaves_no_pipe_open(monkeypatch):
     """Ctrl-C inside the start of a render process (here: Popen itself) closes the reply pipe it
     had made; it was left open, one descriptor more with each such interrupt."""
@@ -102,6 +104,7 @@ def test_an_interrupt_while_a_render_process_starts_leaves_no_pipe_open(monkeypa
     assert render(2) == "x2"
 
 
+@pytest.mark.slow
 def test_a_render_process_that_cannot_start_is_named(monkeypatch):
     """No Python to start (sys.executable empty) or an OSError from Popen: a ChatTemplateError
     saying so, and the next render, with both back, works (the pool's first version raised an
@@ -160,6 +163,7 @@ def run_alone(script: str, out) -> tuple[str, str]:
     return (out / "stdout").read_text(), (out / "stderr").read_text()
 
 
+@pytest.mark.slow
 def test_a_fork_while_a_render_is_under_way_renders_in_the_forked_process(tmp_path):
     """The forked process gets turns and a child of its own: it neither waits for ever on a copy
     of turns all taken (here the one turn there is) nor talks to its parent's child."""
@@ -181,6 +185,7 @@ def test_a_fork_while_a_render_is_under_way_renders_in_the_forked_process(tmp_pa
     assert stdout.split() == ["forked", "0", "parent", "2"], stderr
 
 
+@pytest.mark.slow
 def test_a_render_process_ends_when_its_parent_dies(tmp_path):
     """A caller killed mid-render must not leave its child rendering a runaway template for ever."""
     stdout, stderr = run_alone(f"""

@@ -60,12 +60,14 @@ def run_cli(*args: str, stdin: str = "", entry: str = "module", timeout: int = 3
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_help_lists_the_subcommands():
     r = run_cli("--help")
     assert r.returncode == 0, r.stderr
     assert "generate" in r.stdout and "chat" in r.stdout
 
 
+@pytest.mark.slow
 def test_generate_streams_the_greedy_answer(tiny_model):
     r = run_cli("generate", "hello world", "--model", str(tiny_model), "--max-new-tokens", "12",
                 "--dtype", "float32", entry="script")
@@ -83,6 +85,7 @@ def test_generate_streams_the_greedy_answer(tiny_model):
     assert r.stdout == tok.decode(new) + "\n"
 
 
+@pytest.mark.slow
 def test_bad_flag_value_is_one_line_and_exit_2(tiny_model):
     r = run_cli("generate", "hi", "--model", str(tiny_model), "--top-p", "2")
     assert r.returncode == 2
@@ -101,6 +104,7 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["roofline", "tiny", "--peak-bw", "0"], "peak_bw must be a positive, finite rate, got 0.0"),
     (["roofline", "tiny", "--peak-flops", "nan"], "peak_flops must be a positive, finite rate, got nan"),
@@ -205,6 +209,7 @@ def test_trace_dir_writes_a_trace_of_the_decode_steps(tiny_model, tmp_path, caps
     assert "by phase: decode" in err and "layer_0/" in err
 
 
+@pytest.mark.slow
 def test_default_model_generate_and_chat():
     """The default model answers through both commands, the same way for the same first message.
 

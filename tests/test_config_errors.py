@@ -252,6 +252,7 @@ def converted(saved, tmp_path):
     return directory, json.loads((directory / checkpoint.CONFIG_FILE).read_text())
 
 
+@pytest.mark.slow
 def test_converted_copy_loads(converted, monkeypatch):
     """A copy loads in its own dtype, and cast: read as float32 and checked a part at a time, so
     that the float32 model is never whole on the device beside its bfloat16 copy."""

@@ -20,6 +20,7 @@ def _du(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.slow
 def test_int8_checkpoint_restores_the_same_params_in_far_fewer_bytes(tmp_path):
     q8 = command.convert(None, tmp_path / "q8", dtype="float32", quant="int8")
     f32 = command.convert(None, tmp_path / "f32", dtype="float32")
@@ -38,6 +39,7 @@ def test_int8_checkpoint_restores_the_same_params_in_far_fewer_bytes(tmp_path):
         jaxllm.load(q8, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
 
 
+@pytest.mark.slow
 def test_converted_directory_carries_the_tokenizer(tmp_path):
     out = command.convert(None, tmp_path / "ckpt", dtype="float32")
     ours, theirs = jaxllm.load_tokenizer(), jaxllm.load_tokenizer(out)
@@ -53,6 +55,7 @@ def _cli(*args, env=None):
                           timeout=300, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_cli_convert_then_generate_and_tp(tmp_path):
     dst = tmp_path / "q8"
     done = _cli("convert", str(dst), "--quant", "int8")

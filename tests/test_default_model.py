@@ -14,6 +14,8 @@ import torch
 import jaxllm
 from jaxllm.io import paths
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def gguf_path():

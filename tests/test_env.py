@@ -31,6 +31,7 @@ def _fails_naming(r, message: str):
 
 # --- numbers: nan, inf and overflowing values were `int()` errors outside env_number
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, value, message", [
     ("JAXLLM_PREFETCH_MAX_MB", "nan", "JAXLLM_PREFETCH_MAX_MB='nan' is not a finite number"),
     ("JAXLLM_PREFETCH_MAX_MB", "inf", "JAXLLM_PREFETCH_MAX_MB='inf' is not a finite number"),
@@ -64,6 +65,7 @@ def test_env_number_refuses_what_is_no_number_and_keeps_what_is(monkeypatch):
 
 # --- choices and switches: garbage was taken for the default
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, value, message", [
     ("JAXLLM_DECODE_ATTENTION", "XLA", "JAXLLM_DECODE_ATTENTION='XLA' is not one of 'auto', 'xla', 'interpret'"),
     ("JAXLLM_ROUTE", "interpet", "JAXLLM_ROUTE='interpet' is not one of 'auto', 'xla', 'interpret'"),
@@ -106,12 +108,14 @@ def _switches(env: dict[str, str]) -> dict:
     return json.loads(r.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_unset_or_empty_switches_keep_their_defaults():
     assert _switches({}) == _DEFAULTS
     empty = {"JAXLLM_" + n: "" for n in _DEFAULTS if n != "ADD_NORM_TRIGGER"} | {"JAXLLM_PDL_ADD_NORM": ""}
     assert _switches(empty) == _DEFAULTS
 
 
+@pytest.mark.slow
 def test_switches_take_every_spelling_of_on_and_off_and_every_mode():
     env = dict(JAXLLM_DECODE_ATTENTION="xla", JAXLLM_DECODE_PROJECT="interpret", JAXLLM_ROWS_PROJECT="xla",
                JAXLLM_ADD_NORM="auto", JAXLLM_ROUTE="interpret", JAXLLM_INT8_CONVERT="i2f",

@@ -81,6 +81,7 @@ def test_bad_sampling_settings(llama, kwargs, message):
         next(jaxllm.stream(llama.params, PROMPT[0], **kwargs))
 
 
+@pytest.mark.slow
 def test_whole_numbers_given_as_floats_are_taken(llama):
     want = jaxllm.generate(llama.params, PROMPT, max_new_tokens=4, seed=3).tokens
     got = jaxllm.generate(llama.params, PROMPT, max_new_tokens=4.0, seed=np.int64(3), eos_token_ids=np.array([2]))
@@ -146,6 +147,7 @@ def test_arguments_of_the_wrong_kind_are_named(llama):
             call()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, value, message", [
     ("JAXLLM_LOAD_THREADS", "abc", "JAXLLM_LOAD_THREADS='abc' is not an integer"),
     ("JAXLLM_DECODE_TILES", "64,128", "JAXLLM_DECODE_TILES='64,128' is not a comma-separated list of 3 integers"),

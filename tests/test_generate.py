@@ -24,6 +24,7 @@ from compile_counting import compilations
 NEW = 20  # with a [2, 12] prompt: the shapes test_parity's greedy test compiled already
 
 
+@pytest.mark.slow
 def test_ragged_batch_rows_equal_rows_alone(tiny):
     params = tiny("qwen2_swa").params  # a full-attention layer, then sliding ones
     prompts = [random_tokens(n, seed=n).tolist() for n in (5, 13, 20)]
@@ -35,6 +36,7 @@ def test_ragged_batch_rows_equal_rows_alone(tiny):
     np.testing.assert_array_equal(out.lengths, [16, 16, 16])
 
 
+@pytest.mark.slow
 def test_ragged_prefill_and_decode_logits_match_each_row_alone(tiny):
     """Left padding plus per-row positions: every row's logits are transformers' for that row."""
     m = tiny("mistral")  # a 4-token window, so masks of padding and window interact
@@ -53,6 +55,7 @@ def test_ragged_prefill_and_decode_logits_match_each_row_alone(tiny):
         assert rel_err(got_BTV[b], ref) < 1e-4, f"row {b}"
 
 
+@pytest.mark.slow
 def test_a_second_prefill_reads_what_the_first_wrote(tiny):
     """A prompt into an empty cache attends among its own tokens (rotated rows, no cache read); a
     later block of tokens reads that cache through the masks: their logits are transformers'."""
@@ -130,6 +133,7 @@ def test_stop_ids_are_read_from_generation_config(llama, tmp_path):
     assert jaxllm.load(tmp_path, dtype="float32").config.eos_token_ids == (5, 9)
 
 
+@pytest.mark.slow
 def test_new_lengths_within_a_bucket_compile_nothing(llama):
     params = llama.params
     jaxllm.generate(params, random_tokens((1, 5)), max_new_tokens=9, temperature=0.8, top_k=20)
@@ -183,6 +187,7 @@ def _repeats(tokens) -> int:
     return sum(len(row) - len(set(row.tolist())) for row in np.asarray(tokens))
 
 
+@pytest.mark.slow
 def test_repetition_penalty_matches_transformers_and_lowers_repeats(llama, free_run):
     prompt, free = free_run
     out = jaxllm.generate(llama.params, prompt, max_new_tokens=NEW, repetition_penalty=1.8)
@@ -228,6 +233,7 @@ print(json.dumps({name: options[name] for name in ("_forward", "step", "_generat
 """
 
 
+@pytest.mark.slow
 def test_model_programs_leave_out_xlas_fusion_autotuner_unless_xla_flags_name_it():
     """model.AUTOTUNE_OPTIONS (the fusion autotuner off, small redzones: a cold compile's peak
     memory on a GPU) go to each of the model's programs, which the tests compile on the CPU, whose
@@ -247,6 +253,7 @@ def test_model_programs_leave_out_xlas_fusion_autotuner_unless_xla_flags_name_it
                 assert ("xla_gpu_redzone_padding_bytes" in compiler_options) == (not flags), name
 
 
+@pytest.mark.slow
 def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkeypatch):
     """generate.ONE_ROW_OPTIONS: a batch-1 generate of a dense model on a GPU skips the autotuning
     of XLA's Triton GEMMs (seconds of a cold compile); more rows, MoE models, int8 weights, CPUs

@@ -46,6 +46,7 @@ def default_theirs():
     return transformers_gguf(default_model_path())
 
 
+@pytest.mark.slow
 def test_default_model_tensors_match_transformers(default_ours, default_theirs):
     _, ours = default_ours
     _, theirs, state_names = default_theirs
@@ -58,6 +59,7 @@ def test_default_model_tensors_match_transformers(default_ours, default_theirs):
         np.testing.assert_allclose(ours[name], ref, rtol=0, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_default_model_config_matches_transformers(default_ours, default_theirs):
     config, _ = default_ours
     theirs, _, _ = default_theirs

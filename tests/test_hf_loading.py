@@ -23,6 +23,7 @@ from jaxllm.model.config import ModelConfig
 from jaxllm.tools import presets
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path, tiny):
     m = tiny("llama")
     m.hf.save_pretrained(tmp_path, max_shard_size="40KB")
@@ -34,6 +35,7 @@ def test_sharded_checkpoint_with_index_loads_like_one_file(tmp_path, tiny):
                                   np.asarray(jaxllm.forward(m.params, tokens)))
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_matches_transformers_in_bf16(tmp_path, tiny):
     m = tiny("qwen3")
     hf_bf16 = copy.deepcopy(m.hf).to(torch.bfloat16)  # the shared float32 reference stays as it is
@@ -60,6 +62,7 @@ def test_presets_write_a_config_json_that_reads_back_as_the_preset(name):
 
 # Every family and switch of the tiny models, whose config.json transformers must read as jaxllm
 # does (rope variants, biases, sliding windows on every layer or some, q/k norms), and experts.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(tiny_models.VARIANTS) + ["tiny-moe"])
 def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
     cfg = presets.PRESETS.get(name) or ModelConfig.from_hf(tiny_models.hf_config(name).to_dict())
@@ -75,6 +78,7 @@ def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
     assert tiny_models.rel_err(jaxllm.forward(params, tokens), ref) < 1e-4
 
 
+@pytest.mark.slow
 def test_the_backend_starts_before_the_checkpoint_is_read(tmp_path):
     """In a fresh process, as a user's: load brings the device backend up before its readers
     start, even with dtype given, so the backend's own reads (its libraries, on a fresh machine)

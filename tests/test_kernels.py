@@ -56,6 +56,7 @@ def _attention_inputs(seed, B, K, G, H, S, ends, qk_norm=False):
     return qkv, k_cache, v_cache, jnp.asarray(end), start, q_norm, k_norm, inv_freq, rotation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B, K, G, H, S, ends, window, qk_norm", [
     (2, 2, 3, 64, 48, 20, None, False),  # one split, ragged starts
     (3, 1, 4, 32, 4096, 3000, None, True),  # many splits, Qwen3's per-head norms
@@ -83,6 +84,7 @@ def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S
     np.testing.assert_array_equal(v, ref_v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B, splits", [(4, 1), (2, 2)])  # B*K*H 256 (the bound), 128
 def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
     """Where the (row, KV head) programs hold ONE_SPLIT_VALUES head values a multiprocessor, each
@@ -138,6 +140,7 @@ def test_kernel_refuses_what_it_cannot_run(kernel_mode):
     assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 100) is None  # 100 % 16
 
 
+@pytest.mark.slow
 def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch, tiny):
     """Through the attention kernel, generate and stream make every position's cos and sin once,
     before their loops (no step makes its own), and the tokens are XLA's (a ragged batch's)."""
@@ -175,6 +178,7 @@ def _decode_matches_forward(m, rows: int = 2, kernels_on=contextlib.nullcontext)
     assert rel_err(np.stack(steps, 1), full[:, 7:14]) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_swa", "qwen3"])
 def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, name):
     m = tiny(name)
@@ -183,6 +187,7 @@ def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, n
     _decode_matches_forward(m)
 
 
+@pytest.mark.slow
 def test_generate_through_the_kernel_matches_transformers(kernel_mode, tiny):
     from tiny_models import hf_greedy
     m = tiny("mistral")  # sliding window 4: the kernel's window bound is exercised at every step
@@ -212,6 +217,7 @@ def _project_cases(M):
             ("int8 down + residual", x, q(w), dict(residual_MN=res))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [4096, 32])  # the input channels in one load, then in 3
 def test_project_kernel_equals_xla(monkeypatch, chunk):
     monkeypatch.setattr(kernels, "MAX_CHUNK", chunk)
@@ -252,6 +258,7 @@ def _split_heads(splits, K=3, G=3, H=16, seed=0):
                               dtype=jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits, int8", [(2, False), (3, False), (8, False), (3, True)])
 def test_project_kernel_combines_split_heads(splits, int8):
     """The o projection from uncombined attention splits equals it from XLA's combine: K*G = 9
@@ -270,6 +277,7 @@ def test_project_kernel_combines_split_heads(splits, int8):
     np.testing.assert_array_equal(np.asarray(xla), np.asarray(ref))
 
 
+@pytest.mark.slow
 def test_split_heads_too_large_for_registers_are_combined_by_xla(monkeypatch):
     """Splits too many for a program's registers: XLA combines them, the kernel still projects the
     combined row; a matrix too large for the kernel: XLA does both."""
@@ -310,6 +318,7 @@ def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.slow
 def test_float_rows_up_to_one_chunk_channels_load_in_one_chunk(monkeypatch):
     """A float row of 3072 channels (Qwen3-0.6B's down) loads as one padded chunk of 4096, past
     MAX_CHUNK; one of 8192 in chunks of MAX_CHUNK; int8 rows keep their own tiles. The sums
@@ -332,6 +341,7 @@ def test_float_rows_up_to_one_chunk_channels_load_in_one_chunk(monkeypatch):
     assert chunks[-1] == (3072, kernels.MAX_CHUNK, 2)
 
 
+@pytest.mark.slow
 def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(monkeypatch):
     """int8 weights take the kernel up to KERNEL_MAX_INT8_WEIGHTS (it converts them without I2F
     on a GPU), those past KERNEL_MAX_WEIGHTS in INT8_TILES; a float matrix that size stays on XLA."""
@@ -480,6 +490,7 @@ def test_weights_first_rules(monkeypatch):
     assert not kernels.weights_first([small])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [False, True])
 def test_layers_pass_weights_first_to_their_projections(monkeypatch, project_mode, tiny, first):
     """Each layer's four projection kernels get the layer's `kernels.weights_first`, the lm_head
@@ -499,6 +510,7 @@ def test_layers_pass_weights_first_to_their_projections(monkeypatch, project_mod
     jax.clear_caches()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
 def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kernel_mode,
                                                               project_mode, tiny, name):
@@ -513,12 +525,14 @@ def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kerne
     assert combined and set(combined) == {4}  # traced with 4 splits
 
 
+@pytest.mark.slow
 def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny):
     params = quantize_params(tiny("llama_tied").params)  # the tied table, quantized, is the lm_head
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4, ["DECODE_PROJECT"])
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("apart, digits, down", [(True, True, True), (True, True, False),
                                                  (True, False, True), (False, True, True)])
 def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, digits, down):
@@ -560,6 +574,7 @@ def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, d
         assert rows.count(1) == 2 * 2  # after o and after down in each (the last for the lm_head)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_digits, prompt", [(True, 4), (True, 1), (False, 4)])
 def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits, prompt):
     """An int8 lm_head past KERNEL_MAX_INT8_WEIGHTS (XLA's otherwise; here the tiny model's) takes
@@ -609,6 +624,7 @@ def test_add_norm_digits_spell_the_normed_row(monkeypatch):
     assert np.isnan(float(bad.factor[0]))
 
 
+@pytest.mark.slow
 def test_gate_up_from_digits_equals_xla(monkeypatch):
     """The tensor-core kernel from a `DigitRow` (several chunks and programs) against XLA's
     SwiGLU of the normed row: within a float32 rounding before silu (its int32 sums are exact,
@@ -652,6 +668,7 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
     assert not kernels.project_digits(w_o, "interpret")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
     """gate/up's kernel writes its output also as five digits in the unit that `down_bounds`
@@ -704,6 +721,7 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
     assert not kernels.down_digits(w_down, "interpret")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, C, M, rows", [(jnp.float32, 80, 5, 1), (jnp.float32, 64, 5, 1),
                                                 (jnp.bfloat16, 80, 5, 1), (jnp.float32, 80, 12, 4)])
 def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
@@ -731,6 +749,7 @@ def test_add_norm_mode_rules(monkeypatch):
     assert kernels.add_norm_mode(jnp.float32) == "interpret"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3", "qwen2_swa"])
 def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, name):
     """The prefill pairs its residual adds with the next norm in the kernel, and the decode steps
@@ -742,6 +761,7 @@ def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, na
     assert len(calls) == 2 * layers - 1  # the prefill traced: 2 a layer, the last layer 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, limit, decode_calls", [
     ("llama_bias", 8191, 4),  # qkv and gate/up on XLA: o and down add and norm in the kernel
     ("qwen3", 12288, 2),  # gate/up in project's kernel (norm folded in), qkv on XLA after down
@@ -769,6 +789,7 @@ def _rows_cases(M):
             ("down + residual", x, w, dict(residual_MN=res))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("M", [3, 16, 32])  # rows padded to 16, masked; and ROWS_MAX
 def test_rows_project_equals_xla(M):
     for name, x, w, kw in _rows_cases(M):
@@ -823,6 +844,7 @@ def test_rows_kernel_signals_dependents_only_from_32_padded_rows(monkeypatch):
         assert ("griddepcontrol.launch_dependents" in text) == signals, M
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, attention", [("llama", False), ("qwen2_swa", True),
                                              ("qwen3", True), ("llama_tied", False)])
 def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention):

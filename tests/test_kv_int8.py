@@ -28,6 +28,7 @@ def test_quantize_kv_round_trip_within_half_a_step():
     assert bool(jnp.all(q[0, 0, 0] == 0))
 
 
+@pytest.mark.slow
 def test_int8_cache_decode_is_close_to_the_full_forward(tiny):
     m = tiny("llama")
     ids = random_tokens((2, 14))
@@ -48,6 +49,7 @@ def test_int8_cache_decode_is_close_to_the_full_forward(tiny):
     assert 1e-5 < err < 6e-2
 
 
+@pytest.mark.slow
 def test_default_model_answers_the_same_with_an_int8_cache():
     params, tok = jaxllm.load(dtype="float32"), jaxllm.load_tokenizer()
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
@@ -56,6 +58,7 @@ def test_default_model_answers_the_same_with_an_int8_cache():
     assert "Paris" in text
 
 
+@pytest.mark.slow
 def test_int8_cache_bytes_and_the_memory_check(monkeypatch, tiny):
     params = tiny("llama").params
     cfg = params.config

@@ -61,12 +61,14 @@ def test_a_request_over_free_memory_fails_before_anything_runs(monkeypatch, para
         next(jaxllm.stream(params, list(ids[0]), max_new_tokens=48))
 
 
+@pytest.mark.slow
 def test_a_request_that_fits_runs(monkeypatch, params):
     fake_free(monkeypatch, 10 ** 9)
     out = jaxllm.generate(params, np.full((2, 5), 7, np.int32), max_new_tokens=4, eos_token_ids=[])
     assert np.asarray(out.lengths).tolist() == [4, 4]
 
 
+@pytest.mark.slow
 def test_generate_weighs_xla_count_of_its_program_where_the_bound_fits(monkeypatch, params):
     # The bound is an estimate (int8 and MoE prefills held several times it on an H200): where it
     # says the request fits, generate compiles its program and checks XLA's own count as well.
@@ -187,6 +189,7 @@ def test_forward_counts_the_logits_it_returns(monkeypatch, params):
     assert jaxllm.forward(params, np.full((B, T), 5, np.int32)).shape == (B, T, cfg.vocab_size)
 
 
+@pytest.mark.slow
 def test_stream_weighs_xla_count_of_its_prefill_and_compiles_it_once(monkeypatch, params):
     # stream's cache is an argument of its steps: XLA's count of the prefill step comes on top of
     # it. The step compiled for the count is the one the stream then runs.

@@ -100,6 +100,7 @@ def _hf_sparse_block(hf, i):
 # --- config and parameters -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_config_reads_moe_fields(moe_model):
     mixtral = moe_model("mixtral").config
     assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.moe_ffn_size) == (4, 2, 96)
@@ -193,6 +194,7 @@ def test_router_matches_transformers(moe_model, name):
     np.testing.assert_allclose(got_weights, scores.numpy(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("E,A,norm", [(128, 8, True), (8, 2, True), (60, 4, False), (5, 5, True)])
 def test_routing_kernel_picks_as_xla(E, A, norm):
     """kernels.route's kernel (interpreted) picks the experts layers.route picks, in its order,
@@ -240,6 +242,7 @@ def _random_experts(E, D, F, seed):
             (rng.normal(size=(E, D, F)) / math.sqrt(F)).astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_mixed"])
 def test_moe_layer_matches_transformers(moe_model, name):
     m = moe_model(name)
@@ -334,6 +337,7 @@ REAL_SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REAL_SHAPES))
 def test_real_moe_shapes_trace(name):
     """Both paths trace at the real shapes (decode gathers, prefill groups) and the parameter
@@ -360,6 +364,7 @@ def test_logits_match_transformers(moe_model, name):
     assert rel_err(jaxllm.forward(m.params, ids), want) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_cached_decode_equals_full_forward(moe_model, name):
     m = moe_model(name)
@@ -374,6 +379,7 @@ def test_cached_decode_equals_full_forward(moe_model, name):
     assert rel_err(np.stack(steps, 1), full[:, 7:11]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_match_transformers_batched_and_alone(moe_model, name):
     """16 greedy tokens equal transformers' for each prompt, generated alone (batch 1: the decode
@@ -419,6 +425,7 @@ def _expert_parallel_main():
     print("expert parallel ok")
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_single_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
@@ -427,6 +434,7 @@ def test_expert_parallel_matches_single_device():
     assert proc.returncode == 0 and "expert parallel ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_mixed"])
 def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch, name):
     """A batch-1 decode step of a MoE model: o in project's kernel without its residual, then the
@@ -447,6 +455,7 @@ def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch, 
     assert routed.count(4) == routed.count(1) == sparse
 
 
+@pytest.mark.slow
 def test_decode_of_several_rows_keeps_moe_on_xla(moe_model, monkeypatch):
     """`rows_project`'s blocks are for dense models: a MoE decode step of several rows runs XLA's
     forms under the switch, its logits unchanged."""

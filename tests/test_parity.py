@@ -106,6 +106,7 @@ GREEDY = ["llama3", "llama_bias", "mistral", "qwen2_swa", "qwen3"]
 CACHED = ["llama_yarn", "mistral", "qwen2_swa", "qwen3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GREEDY)
 def test_greedy_tokens_match_transformers(tiny, name):
     m = tiny(name)
@@ -116,6 +117,7 @@ def test_greedy_tokens_match_transformers(tiny, name):
     np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
 
 
+@pytest.mark.slow
 def test_dynamic_rope_up_to_the_end_of_the_context(tiny):
     """Within max_position_embeddings dynamic NTK leaves the base alone, even when the bucketed
     cache (left padding + spare steps) has more slots than the context."""

@@ -97,6 +97,7 @@ MOE = ModelConfig(model_type="mixtral", vocab_size=96, hidden_size=32, num_layer
 
 
 # Untied with a sparse and a dense layer; and tied (the embedding is the quantized lm_head).
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [MOE, dataclasses.replace(presets.PRESETS["tiny"], tie_word_embeddings=True)],
                          ids=["moe-untied", "dense-tied"])
 def test_quantized_model_equals_its_dequantized_weights(cfg):
@@ -152,6 +153,7 @@ def tok():
     return jaxllm.load_tokenizer()
 
 
+@pytest.mark.slow
 def test_int8_perplexity_of_the_default_model_stays_close(models, tok):
     params, q = models
     ids = tok.encode(open(TEXT, encoding="utf-8").read(), add_special_tokens=True)[:1024]
@@ -167,6 +169,7 @@ def test_int8_perplexity_of_the_default_model_stays_close(models, tok):
     assert int8["ppl"] / f32["ppl"] > 1 / 1.015
 
 
+@pytest.mark.slow
 def test_int8_default_model_still_answers_paris(models, tok):
     _, q = models
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
@@ -175,6 +178,7 @@ def test_int8_default_model_still_answers_paris(models, tok):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow
 def test_load_int8_quantizes_each_tensor_as_quantize_params_does(models):
     _, q = models
     loaded = jaxllm.load(dtype="float32", quant="int8")
@@ -185,6 +189,7 @@ def test_load_int8_quantizes_each_tensor_as_quantize_params_does(models):
         jaxllm.load(dtype="float32", quant="int4")
 
 
+@pytest.mark.slow
 def test_cli_perplexity_prints_json(capsys):
     code = cli.main(["perplexity", TEXT, "--dtype", "float32", "--quant", "int8", "--context", "32",
                      "--max-tokens", "94"])

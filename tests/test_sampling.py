@@ -127,6 +127,7 @@ def _binned_chi_square(counts, probs, min_expected=5.0) -> tuple[float, int]:
     return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filters", [f for f in FILTERS if f.get("top_k") != 1],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_filtered_sampling_follows_the_softmax_of_what_is_left(filters):

@@ -62,6 +62,7 @@ def single_host(tmp_path_factory) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sharding_checks.CHECK_NAMES)
 def test_sharded_on_8_devices(single_host, name):
     """See sharding_checks.check_case (tokens, logits, shard shapes) and the named checks."""
@@ -76,6 +77,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     """2 processes x 4 CPU devices, one mesh of 8 across them: the same tokens as one process."""
     sharding_checks.write_checkpoint(tmp_path / "llama_k2", sharding_checks.hf_config("llama_k2"))
@@ -154,6 +156,7 @@ def test_unsharded_step_has_no_collectives():
     assert "shard_map" not in jaxpr and "psum" not in jaxpr
 
 
+@pytest.mark.slow
 def test_one_device_mesh_equals_unsharded():
     """A tp=1 mesh runs the shard_map path with trivial collectives: the same logits."""
     params = jaxllm.init_params(PRESETS["tiny"], jax.random.key(0), jnp.float32, scale=0.3)

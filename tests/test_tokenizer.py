@@ -47,12 +47,14 @@ def theirs():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
+@pytest.mark.slow
 def test_backend_is_transformers_gguf_conversion(ours, theirs):
     a, b = json.loads(ours.backend.to_str()), json.loads(theirs.backend_tokenizer.to_str())
     for part in ("normalizer", "pre_tokenizer", "model", "decoder", "added_tokens", "post_processor"):
         assert a[part] == b[part], part
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TEXTS))
 def test_ids_match_transformers(ours, theirs, name):
     text = TEXTS[name]
@@ -64,6 +66,7 @@ def test_special_tokens_in_text_are_single_ids(ours):
     assert ours.encode("<|im_start|>user<|im_end|>")[::2] == [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TEXTS))
 def test_decode_round_trip(ours, theirs, name):
     text = TEXTS[name]
@@ -79,6 +82,7 @@ def test_decode_rejects_out_of_range_ids(ours):
         ours.decode([-1])
 
 
+@pytest.mark.slow
 def test_special_ids_and_stop_ids(ours, theirs):
     assert ours.vocab_size == len(theirs) == 49152
     assert ours.bos_token_id == theirs.bos_token_id == 1
@@ -89,6 +93,7 @@ def test_special_ids_and_stop_ids(ours, theirs):
     assert ours.eos_token_ids[0] == theirs.eos_token_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_chat_template_matches_transformers(ours, theirs, name):
     messages = CONVERSATIONS[name]
@@ -98,6 +103,7 @@ def test_chat_template_matches_transformers(ours, theirs, name):
     assert ours.chat_template == theirs.chat_template
 
 
+@pytest.mark.slow
 def test_chat_template_features_match_transformers(ours, theirs):
     # transformers' extras: tojson without HTML escaping, loop controls, raise_exception,
     # namespace, the {% generation %} tag, strftime_now, and the special-token variables
@@ -237,6 +243,7 @@ RUNAWAY_TEMPLATES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNAWAY_TEMPLATES))
 def test_chat_template_runaways_stop_at_the_render_limits(ours, monkeypatch, name):
     """A template that would hang or exhaust memory fails within the time limit, naming the limit,
@@ -374,6 +381,7 @@ def hf_dir(theirs, tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_hf_directory_matches(ours, theirs, hf_dir):
     from_dir = load_tokenizer(hf_dir)
     reloaded = AutoTokenizer.from_pretrained(hf_dir)

@@ -58,6 +58,7 @@ def test_trace_is_written_with_the_model_scopes(traced):
     assert traced.output.tokens.shape == (1, 8)
 
 
+@pytest.mark.slow
 def test_summary_lists_real_ops_with_their_scopes(traced):
     every = summarize(traced.log_dir, top=None)
     assert sum(op.share for op in every) == pytest.approx(1.0, abs=1e-6)
@@ -93,6 +94,7 @@ def test_collectives_are_told_by_opcode_or_by_the_primitive_ending_their_scope()
     assert not is_collective("fusion", "decode/layer_0/mlp/psum_like")  # the primitive's whole name
 
 
+@pytest.mark.slow
 def test_programs_of_one_name_are_told_apart(tmp_path):
     # The prefill and the decode step are both the program `jit_step`, and many op names occur in
     # both: a trace of one must not borrow the other's scopes.
@@ -160,6 +162,7 @@ def test_pallas_kernels_in_a_command_buffer_get_their_own_layer():
     assert module.scope("pallas_call.5") == "decode/layer_1/mlp/decode_project/pallas_call"
 
 
+@pytest.mark.slow
 def test_detail_trace_is_harmless_on_cpu(tmp_path):
     params = jaxllm.init_params(tiny_config(96), jax.random.key(0), jnp.float32)
     tokens = jnp.asarray([[1, 2, 3]])
@@ -175,6 +178,7 @@ def test_summarize_refuses_a_directory_without_a_trace(tmp_path):
         summarize(tmp_path)
 
 
+@pytest.mark.slow
 def test_same_bucket_compiles_nothing_and_a_new_bucket_warns_once():
     params = jaxllm.init_params(tiny_config(98), jax.random.key(1), jnp.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -249,6 +253,7 @@ def cache_entries(root) -> list:
     return [p for p in xla.iterdir() if p.name.endswith("-cache")] if xla.is_dir() else []
 
 
+@pytest.mark.slow
 def test_compile_cache_is_on_by_default_and_reused(tmp_path):
     first = run_forward({"JAXLLM_CACHE": str(tmp_path)})
     assert f"CACHE_DIR {tmp_path / 'xla'}" in first.stdout
@@ -259,12 +264,14 @@ def test_compile_cache_is_on_by_default_and_reused(tmp_path):
     assert hits >= 1 and len(cache_entries(tmp_path)) == len(entries)
 
 
+@pytest.mark.slow
 def test_compile_cache_off_by_env(tmp_path):
     done = run_forward({"JAXLLM_CACHE": str(tmp_path), "JAXLLM_NO_COMPILE_CACHE": "1"})
     assert "CACHE_DIR None" in done.stdout
     assert cache_entries(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_unwritable_cache_dir_means_no_cache_not_an_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -289,6 +296,7 @@ def test_generate_loops_on_the_host_while_a_trace_needs_its_kernels(monkeypatch)
 # --- bad input: a ValueError or TypeError naming it, before any work ------------------------------
 
 
+@pytest.mark.slow
 def test_summarize_refuses_a_negative_or_non_integer_top(traced):
     every = summarize(traced.log_dir, top=None)
     assert len(summarize(traced.log_dir, top=len(every) + 5)) == len(every)
@@ -306,6 +314,7 @@ def _gz(path, payload: bytes):
     return path
 
 
+@pytest.mark.slow
 def test_summarize_names_a_file_that_is_no_chrome_trace(traced, tmp_path):
     xplane = next(traced.run_dir.glob("*.xplane.pb"))
     with pytest.raises(ValueError, match=r"xplane\.pb is not a gzipped Chrome trace.*run folder"):
