@@ -5,6 +5,7 @@ install; for llama/qwen2/qwen3 it hands the file to `load_gguf_checkpoint`, whic
 with the same model skeleton, so the tensors compared are the ones `from_pretrained` would load.
 """
 
+import json
 import math
 import pickle
 import re
@@ -564,3 +565,90 @@ def test_reading_a_few_rows_at_a_time_gives_the_written_weights(tmp_path, monkey
     assert set(ours) == set(original)
     for name, ref in original.items():
         np.testing.assert_array_equal(ours[name], ref, err_msg=name)
+
+
+# --- memory: a few hundred MB file loads without a float32 copy of the model -------------------
+
+def write_random_llama_f16(path, *, V=32000, D=1024, N=16, K=4, H=64, F=2816, L=8):
+    """A random llama-layout GGUF of float16 matrices (~310 MB); returns the bfloat16 bytes of
+    its weights and its parameter count. Random finite float16 bits, drawn cheaply."""
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path, "llama")
+    for add, value in [("block_count", L), ("context_length", 256), ("embedding_length", D),
+                       ("feed_forward_length", F), ("head_count", N), ("head_count_kv", K),
+                       ("rope_dimension_count", H), ("layer_norm_rms_eps", 1e-6)]:
+        getattr(w, "add_" + add)(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<|endoftext|>"] + [f"t{i}" for i in range(V - 1)])
+    w.add_token_types([3] + [1] * (V - 1))
+    w.add_eos_token_id(0)
+    shapes = {"token_embd.weight": (V, D), "output.weight": (V, D), "output_norm.weight": (D,)}
+    for i in range(L):
+        shapes |= {f"blk.{i}.attn_q.weight": (N * H, D), f"blk.{i}.attn_k.weight": (K * H, D),
+                   f"blk.{i}.attn_v.weight": (K * H, D), f"blk.{i}.attn_output.weight": (D, N * H),
+                   f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
+                   f"blk.{i}.ffn_down.weight": (D, F), f"blk.{i}.attn_norm.weight": (D,),
+                   f"blk.{i}.ffn_norm.weight": (D,)}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor(name, np.ones(shape, np.float32))
+        else:  # sign, exponent below 16 (|x| < 2), any mantissa: finite
+            bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16) & np.uint16(0xBBFF)
+            w.add_tensor(name, bits.view(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    count = sum(math.prod(s) for s in shapes.values())
+    return 2 * count, count
+
+
+MEMORY_CHILD = """
+import json, os, resource, sys
+import jax
+jax.devices()
+import jaxllm, jaxllm.gguf, jaxllm.tokenizer, safetensors.numpy  # imported before measuring
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = rss()
+params = jax.block_until_ready(jaxllm.load(sys.argv[1], dtype="bfloat16"))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"growth": peak - before, "dtype": str(params.dtype)}))
+"""
+
+
+@pytest.mark.slow
+def test_loading_a_gguf_holds_no_float32_copy_of_the_model(tmp_path):
+    """Loaded in bfloat16 in a fresh process, the peak RSS grows by the model's bfloat16 weights
+    (on the CPU backend the device arrays are host memory) plus a bounded overhead, not by a
+    float32 copy of the model (the old path held 2x the bf16 size in float32, then a cache of it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import jaxllm
+
+    path = tmp_path / "random.gguf"
+    bf16_bytes, _ = write_random_llama_f16(path)
+    largest = 2 * 32000 * 1024  # the embedding (and output) matrix in bfloat16
+    buffer = 64 << 20
+    package = str(Path(jaxllm.__file__).parents[1])  # the jaxllm under test, not an installed one
+    env = dict(os.environ, JAXLLM_CACHE=str(tmp_path / "cache"), JAXLLM_LOAD_BUFFER_MB=str(buffer >> 20),
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(path)], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["dtype"] == "bfloat16"
+    # Besides the weights: parameters read but not yet placed (the loader's buffer, which one
+    # parameter larger than what is free may exceed), each of the 8 reading threads' block of
+    # 1M values (packed bytes, float32, the cast: under 16 MB), and 64 MB for the tokenizer
+    # and the allocator's per-thread arenas. The old path's growth was above 4x the bf16 size.
+    bound = bf16_bytes + buffer + largest + 8 * (16 << 20) + (64 << 20)
+    assert result["growth"] < bound, (result["growth"] >> 20, bound >> 20)
+    cached = list((tmp_path / "cache").glob("*bfloat16*/model.safetensors"))
+    assert len(cached) == 1 and cached[0].stat().st_size < bf16_bytes + (1 << 20)  # cached in bf16
