@@ -9,6 +9,9 @@ What this module owns:
   (`model.layers.{i}.self_attn.q_proj.weight`, [out, in]). The layout quirks llama.cpp's converter
   introduces (the Q/K row permutation of llama files, llama3 RoPE scaling baked into a tensor)
   are undone here, so everything downstream sees a plain HF checkpoint.
+- `gguf_source(path, dtype)`: `(hf_config, source)`, every check made up front (architecture,
+  tensor set and shapes, each tensor's type), the tensors then read as an HF checkpoint is
+  (`params.TensorSource`), dequantized a block of rows at a time straight into `dtype`.
 - `gguf_tokenizer_info(path_or_header)`: the tokenizer metadata, for `jaxllm.tokenizer`.
 
 The parser is our own rather than `gguf.GGUFReader`: it is ~20x faster on a 100k-string vocabulary
