@@ -141,10 +141,10 @@ def _load_hf(path: Path, dtype, name: str, shard: dict | None, quant: str) -> Pa
 
 
 def _convert(cfg: ModelConfig, source, dtype, name: str, shard: dict | None = None,
-             quant: str = "none") -> Params:
+             quant: str = "none", threads: int = LOAD_THREADS) -> Params:
     total = sum(int(np.prod(s)) for s in source.shapes.values())
     update, close = _progress(total, f"loading {name}")
-    flow = dict(progress=update, threads=LOAD_THREADS, buffer_bytes=_buffer_bytes())
+    flow = dict(progress=update, threads=threads, buffer_bytes=_buffer_bytes())
     try:
         if shard is not None:
             return sharding.from_hf_sharded(cfg, source, dtype, **shard, **flow)
@@ -181,7 +181,10 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     cache = _CacheWriter(cached, source)
     source.sink = cache.write
     try:
-        params = _convert(cfg, source, dtype, path.name, shard, quant)
+        # Dequantizing is arithmetic, not waiting on a disk: readers beyond the cores only hold
+        # more blocks and parameters in memory at once.
+        threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
+        params = _convert(cfg, source, dtype, path.name, shard, quant, threads)
         cache.commit(hf_config, cfg)
     finally:
         cache.discard()
