@@ -604,19 +604,18 @@ def write_random_llama_f16(path, *, V=32000, D=1024, N=16, K=4, H=64, F=2816, L=
 
 
 MEMORY_CHILD = """
-import json, os, resource, sys
+import json, os, sys
 import jax
 jax.devices()
-import jaxllm, jaxllm.gguf, jaxllm.tokenizer, safetensors.numpy  # imported before measuring
+import jaxllm, jaxllm.gguf, jaxllm.tokenizer  # imported before measuring
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status(key):  # this process's own memory: getrusage's ru_maxrss keeps the parent's peak at fork
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
-before = rss()
+before = status("VmRSS")
 params = jax.block_until_ready(jaxllm.load(sys.argv[1], dtype="bfloat16"))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"growth": peak - before, "dtype": str(params.dtype)}))
+print(json.dumps({"growth": status("VmHWM") - before, "dtype": str(params.dtype)}))
 """
 
 
