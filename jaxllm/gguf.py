@@ -623,7 +623,8 @@ class GGUFSource:
     def _rows(self, p: _Part, first: int, end: int, row_bytes: int) -> np.ndarray:
         """Rows [first, end) of a GGUF tensor, dequantized to float32 [end - first, cols]."""
         with open(self.header.path, "rb") as f:
-            raw = np.fromfile(f, np.uint8, (end - first) * row_bytes, offset=p.info.offset + first * row_bytes)
+            raw = np.fromfile(f, np.uint8, (end - first) * row_bytes,
+                              offset=p.info.offset + first * row_bytes)
         if raw.size != (end - first) * row_bytes:
             raise ValueError(f"{self.header.path}: truncated: tensor {p.info.name!r} is cut short")
         qtype = GGMLQuantizationType(p.info.ggml_type)
