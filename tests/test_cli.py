@@ -16,6 +16,7 @@ import pytest
 
 import jaxllm
 from jaxllm import cli
+import jaxllm.cli.common
 from jaxllm.cli.generate import stop_ids
 from jaxllm.io import paths
 
@@ -230,3 +231,51 @@ def test_roofline_subcommand(capsys):
     assert main(["roofline", "smollm2-135m", "--batch", "1", "--context", "128"]) == 0
     out = capsys.readouterr().out
     assert "gate_up" in out and "lm_head" in out and "step >=" in out
+
+
+def test_gguf_of_an_unsupported_architecture_is_one_line_and_no_converting(tmp_path, monkeypatch, capsys):
+    """The file is checked before "converting ... once" is announced: nothing will be converted."""
+    from test_gguf import write_tiny
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "fancy.gguf"
+    write_tiny(path, "fancyarch")
+    assert cli.main(["generate", "hi", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF architecture 'fancyarch' is not supported" in err
+    assert "converting" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_gguf_tensor_of_an_unsupported_type_is_named_before_converting(tmp_path, monkeypatch, capsys):
+    from test_gguf import write_f64_tensor_file
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "f64.gguf"
+    write_f64_tensor_file(path)
+    assert cli.main(["generate", "hi", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "tensor 'blk.1.attn_v.weight' is stored as F64" in err
+    assert "converting" not in err
+
+
+def test_gguf_conversion_is_announced_before_loading_and_not_once_cached(tmp_path, monkeypatch, capsys):
+    from test_gguf import write_tiny
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, "llama")
+    announced = []
+
+    def load(*args, **kwargs):  # the slow part: announced by then
+        announced.append("converting tiny.gguf once" in capsys.readouterr().err)
+        raise ValueError("stop")
+    monkeypatch.setattr(jaxllm, "load", load)
+    assert cli.main(["generate", "hi", "--model", str(path), "--dtype", "float32"]) == 2
+    assert announced == [True]
+    monkeypatch.undo()
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    jaxllm.load(path, dtype="float32")  # converts and caches
+    capsys.readouterr()
+    cli.common._note_conversion(path, "float32")
+    assert "converting" not in capsys.readouterr().err

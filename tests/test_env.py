@@ -178,7 +178,7 @@ def test_a_cache_directory_with_a_tilde_is_expanded(monkeypatch, tmp_path):
     assert compile_cache.default_dir() == home / "jx" / "xla"
     gguf = work / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert loader._gguf_cache_path(gguf).parent == home / "jx"
+    assert loader._gguf_cache_path(gguf, "float32").parent == home / "jx"
     monkeypatch.delenv("JAXLLM_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
     assert paths.cache_dir() == home / "xdg" / "jaxllm"

@@ -5,6 +5,7 @@ install; for llama/qwen2/qwen3 it hands the file to `load_gguf_checkpoint`, whic
 with the same model skeleton, so the tensors compared are the ones `from_pretrained` would load.
 """
 
+import json
 import math
 import pickle
 import re
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from jaxllm.io import gguf as jaxllm_gguf
 from jaxllm.io.gguf import read_gguf, read_gguf_header
 from jaxllm.io.paths import default_model_path
 from hangs import error_within
@@ -458,3 +460,198 @@ def test_loading_never_unpickles(tmp_path, monkeypatch):
     write_tiny(path, "qwen3", qk_norm=True)
     config, tensors = read_gguf(path)
     assert config["model_type"] == "qwen3" and len(tensors) == 2 + 2 * 11
+
+
+# --- every quant type the gguf package dequantizes ---------------------------------------------
+
+QUANTIZABLE = {t for t in gguf.GGMLQuantizationType
+               if t not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)}
+
+
+def packed_bytes(t, qtype, rng):
+    """`t` packed as `qtype`: by gguf's own quantizer where it has one, else random blocks whose
+    bytes are all below 0x3C, so every float16 or 8-bit exponent a block holds is finite and
+    small (the IQ grids and K-quant scales are then still exercised, on real bit patterns)."""
+    try:
+        return gguf.quants.quantize(t, qtype)
+    except NotImplementedError:
+        shape = gguf.quant_shape_to_byte_shape(t.shape, qtype)
+        return rng.integers(0, 0x3C, shape, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("qtype", sorted((t for t in QUANTIZABLE if jaxllm_gguf.dequantizable(t)),
+                                         key=lambda t: t.value), ids=lambda t: t.name)
+def test_every_dequantizable_type_loads(tmp_path, monkeypatch, qtype):
+    """Each tensor equals gguf's own dequantization of its bytes (Q/K rows unpermuted), read a
+    few rows at a time so the blocks that split heads and matrices are exercised too."""
+    rng = np.random.default_rng(qtype.value)
+    path = tmp_path / "q.gguf"
+    dims = dict(D=256, N=2, K=1, H=128, F=256, L=1, V=64)
+    hf = hf_weights(**dims, bias=False, qk_norm=False, tied=False)
+    w = gguf.GGUFWriter(path, "llama")
+    for add, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 256),
+                       ("feed_forward_length", 256), ("head_count", 2), ("head_count_kv", 1),
+                       ("rope_dimension_count", 128), ("layer_norm_rms_eps", 1e-6)]:
+        getattr(w, "add_" + add)(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(64)])
+    packed = {}
+    for name, t in hf.items():
+        g = gguf_name(name)
+        if t.ndim == 2:
+            t = llama_cpp_permute(t, 2) if ".attn_q." in g else llama_cpp_permute(t, 1) if ".attn_k." in g else t
+            packed[name] = packed_bytes(t, qtype, rng)
+            w.add_tensor(g, packed[name], raw_dtype=qtype)
+        else:
+            w.add_tensor(g, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert {i.ggml_type for i in read_gguf_header(path).tensors.values()} == {qtype, 0}
+    monkeypatch.setattr(jaxllm_gguf, "_CHUNK_VALUES", 640)  # two rows of 256 at a time
+    _, ours = read_gguf(path)
+    for name, raw in packed.items():
+        expected = gguf.quants.dequantize(raw, qtype)
+        heads = 2 if ".q_proj." in name else 1 if ".k_proj." in name else None
+        got = ours[name] if heads is None else llama_cpp_permute(ours[name], heads)
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def write_f64_tensor_file(path):
+    """A tiny llama file whose v_proj is stored as F64, a type gguf.quants cannot dequantize."""
+    write_tiny(path, "llama", drop=("blk.1.attn_v.weight",),
+               extra_tensors=[("blk.1.attn_v.weight", np.zeros((128, 256), np.float64))])
+
+
+def test_a_type_gguf_cannot_dequantize_names_tensor_and_type(tmp_path):
+    import jaxllm
+
+    path = tmp_path / "f64.gguf"
+    write_f64_tensor_file(path)
+    message = "tensor 'blk.1.attn_v.weight' is stored as F64, which the gguf package cannot dequantize"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_gguf(path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jaxllm.load(path)
+
+
+def test_load_in_bfloat16_equals_float32_then_cast(tmp_path, monkeypatch):
+    """Dequantized straight into bfloat16 (no float32 model in between), and the cache written in
+    bfloat16 serves the second load the same values."""
+    import jax
+    import jax.numpy as jnp
+    import jaxllm
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "q8.gguf"
+    write_tiny(path, "llama", quant=Q8_0, tied=False)
+    reference = jaxllm.load(path, dtype="float32")
+    first = jaxllm.load(path, dtype="bfloat16")
+    assert len(list((tmp_path / "cache").glob("*bfloat16*/model.safetensors"))) == 1
+    monkeypatch.setattr(jaxllm_gguf, "gguf_source", lambda *a: pytest.fail("the GGUF was read again"))
+    second = jaxllm.load(path, dtype="bfloat16")
+    for ref, a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(ref.astype(jnp.bfloat16)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kwargs", [dict(experts=4), dict(bias=True, tied=False)], ids=["experts", "bias"])
+def test_reading_a_few_rows_at_a_time_gives_the_written_weights(tmp_path, monkeypatch, kwargs):
+    """Blocks smaller than a head or an expert: rows unpermuted and experts sliced as a whole read."""
+    monkeypatch.setattr(jaxllm_gguf, "_CHUNK_VALUES", 640)
+    path = tmp_path / "tiny.gguf"
+    original = write_tiny(path, "llama", **kwargs)
+    _, ours = read_gguf(path)
+    assert set(ours) == set(original)
+    for name, ref in original.items():
+        np.testing.assert_array_equal(ours[name], ref, err_msg=name)
+
+
+# --- memory: a few hundred MB file loads without a float32 copy of the model -------------------
+
+def write_random_llama_f16(path, *, V=32000, D=1024, N=16, K=4, H=64, F=2816, L=8):
+    """A random llama-layout GGUF of float16 matrices (~310 MB); returns the bfloat16 bytes of
+    its weights and its parameter count. Random finite float16 bits, drawn cheaply."""
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path, "llama")
+    for add, value in [("block_count", L), ("context_length", 256), ("embedding_length", D),
+                       ("feed_forward_length", F), ("head_count", N), ("head_count_kv", K),
+                       ("rope_dimension_count", H), ("layer_norm_rms_eps", 1e-6)]:
+        getattr(w, "add_" + add)(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<|endoftext|>"] + [f"t{i}" for i in range(V - 1)])
+    w.add_token_types([3] + [1] * (V - 1))
+    w.add_eos_token_id(0)
+    shapes = {"token_embd.weight": (V, D), "output.weight": (V, D), "output_norm.weight": (D,)}
+    for i in range(L):
+        shapes |= {f"blk.{i}.attn_q.weight": (N * H, D), f"blk.{i}.attn_k.weight": (K * H, D),
+                   f"blk.{i}.attn_v.weight": (K * H, D), f"blk.{i}.attn_output.weight": (D, N * H),
+                   f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
+                   f"blk.{i}.ffn_down.weight": (D, F), f"blk.{i}.attn_norm.weight": (D,),
+                   f"blk.{i}.ffn_norm.weight": (D,)}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor(name, np.ones(shape, np.float32))
+        else:  # sign, exponent below 16 (|x| < 2), any mantissa: finite
+            bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16) & np.uint16(0xBBFF)
+            w.add_tensor(name, bits.view(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    count = sum(math.prod(s) for s in shapes.values())
+    return 2 * count, count
+
+
+MEMORY_CHILD = """
+import json, os, sys
+import jax
+jax.devices()
+import jaxllm, jaxllm.io.gguf, jaxllm.text.tokenizer  # imported before measuring
+
+def status(key):  # this process's own memory: getrusage's ru_maxrss keeps the parent's peak at fork
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+before = status("VmRSS")
+params = jax.block_until_ready(jaxllm.load(sys.argv[1], dtype="bfloat16"))
+print(json.dumps({"growth": status("VmHWM") - before, "dtype": str(params.dtype)}))
+"""
+
+
+@pytest.mark.slow
+def test_loading_a_gguf_holds_no_float32_copy_of_the_model(tmp_path):
+    """Loaded in bfloat16 in a fresh process, the peak RSS grows by the model's bfloat16 weights
+    (on the CPU backend the device arrays are host memory) plus a bounded overhead, not by a
+    float32 copy of the model (the old path held 2x the bf16 size in float32, then a cache of it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import jaxllm
+
+    path = tmp_path / "random.gguf"
+    bf16_bytes, _ = write_random_llama_f16(path)
+    largest = 2 * 32000 * 1024  # the embedding (and output) matrix in bfloat16
+    buffer = 64 << 20
+    package = str(Path(jaxllm.__file__).parents[1])  # the jaxllm under test, not an installed one
+    env = dict(os.environ, JAXLLM_CACHE=str(tmp_path / "cache"), JAXLLM_LOAD_BUFFER_MB=str(buffer >> 20),
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(path)], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["dtype"] == "bfloat16"
+    # Besides the weights: parameters read but not yet placed (the loader's buffer, which one
+    # parameter larger than what is free may exceed), each reading thread's block of 1M values
+    # (packed bytes, float32, the cast: under 16 MB; one thread a core, at most 8), and 128 MB
+    # for the tokenizer and the allocator's per-thread arenas. The old path grew by over 4x the
+    # bf16 size: the model in float32, its serialized cache, then the cast.
+    readers = max(1, min(8, os.cpu_count() or 1))
+    bound = bf16_bytes + buffer + largest + readers * (16 << 20) + (128 << 20)
+    assert result["growth"] < bound, (result["growth"] >> 20, bound >> 20)
+    cached = list((tmp_path / "cache").glob("*bfloat16*/model.safetensors"))
+    assert len(cached) == 1 and cached[0].stat().st_size < bf16_bytes + (1 << 20)  # cached in bf16

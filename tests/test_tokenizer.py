@@ -550,3 +550,74 @@ def test_gguf_mistyped_tokenizer_metadata(tmp_path, name):
     write_sentencepiece_gguf(tmp_path / "sp.gguf", [(method, key, value)])
     with pytest.raises(ValueError, match=f"sp.gguf: {key} is a {found} "):
         load_tokenizer(tmp_path / "sp.gguf")
+
+
+# --- a byte-level GGUF vocabulary whose control tokens are outside the byte alphabet ----------
+
+DEEPSEEK_SPECIALS = ["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>"]
+
+
+def write_byte_level_gguf(path):
+    """A tiny DeepSeek-R1-Distill-Qwen style vocabulary: the 256 byte tokens, a few merges, then
+    control tokens spelled in plain UTF-8 (`｜`, `▁`) as llama.cpp's converter writes them, a
+    user-defined token with a space, and BOS/EOS ids pointing at two of them."""
+    from jaxllm.text.tokenizer import _bytes_to_unicode
+
+    spell = _bytes_to_unicode()
+    byte_tokens = [spell[b] for b in range(256)]
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
+    words = ["he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "Ġworl", "Ġworld"]
+    tokens = byte_tokens + words + DEEPSEEK_SPECIALS + ["<think>", "a b"]
+    types = [1] * (256 + len(words)) + [3] * len(DEEPSEEK_SPECIALS) + [4, 4]
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("deepseek-r1-qwen")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<｜begin▁of▁sentence｜>"))
+    w.add_eos_token_id(tokens.index("<｜end▁of▁sentence｜>"))
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def test_byte_level_control_tokens_keep_the_files_ids(tmp_path):
+    tokens = write_byte_level_gguf(tmp_path / "ds.gguf")
+    tok = load_tokenizer(tmp_path / "ds.gguf")
+    ids = {t: tokens.index(t) for t in DEEPSEEK_SPECIALS + ["<think>", "a b"]}
+    for text, i in ids.items():
+        assert tok.token_to_id(text) == i
+        assert tok.encode(text) == [i]  # one token, not its characters
+    assert tok.backend.get_vocab_size(with_added_tokens=True) == len(tokens)  # nothing appended
+    assert tok.bos_token_id == ids["<｜begin▁of▁sentence｜>"]
+    assert tok.eos_token_ids[0] == ids["<｜end▁of▁sentence｜>"]
+    text = "<｜User｜>hello world<think>a b<｜Assistant｜>"
+    encoded = tok.encode(text, add_special_tokens=True)
+    assert encoded == [ids["<｜begin▁of▁sentence｜>"], ids["<｜User｜>"], tokens.index("hello"),
+                       tokens.index("Ġworld"), ids["<think>"], ids["a b"], ids["<｜Assistant｜>"]]
+    assert max(encoded) < len(tokens)
+    assert tok.decode(encoded[1:]) == text
+    assert tok.decode(encoded, skip_special_tokens=True) == "hello world<think>a b"
+    stream = tok.stream()
+    assert "".join(stream.push(i) for i in encoded[1:]) + stream.flush() == text
+
+
+@pytest.mark.parametrize("add_space_prefix", [None, True, False])
+def test_sentencepiece_add_space_prefix(tmp_path, add_space_prefix):
+    """Gemma 3's files say add_space_prefix = false: "hello" at the start is 'hello', not '▁hello'."""
+    extra = [] if add_space_prefix is None else [("add_bool", "tokenizer.ggml.add_space_prefix",
+                                                   add_space_prefix)]
+    write_sentencepiece_gguf(tmp_path / "sp.gguf", extra)
+    tok = load_tokenizer(tmp_path / "sp.gguf")
+    prefix = add_space_prefix is not False  # llama.cpp's default is true
+    first = tok.encode("hello world")[0]
+    assert tok.backend.id_to_token(first) == ("▁hello" if prefix else "hello")
+    for text in ["hello world", "hello  world ", "the world, hello!", ""]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert all(0 <= i < tok.backend.get_vocab_size(with_added_tokens=True) for i in ids)
+    assert tok.backend.id_to_token(tok.encode("world hello")[-1]) == "▁hello"  # later words keep theirs

@@ -112,11 +112,14 @@ def _model_path(path: str | None) -> Path:
     return p
 
 
-def _note_conversion(path: Path) -> None:
-    """One stderr line before a GGUF file is dequantized for the first time (slow, then cached)."""
+def _note_conversion(path: Path, dtype) -> None:
+    """One stderr line before a GGUF file is dequantized for the first time (slow, then cached),
+    once the file is known to load: its header, architecture and tensors are checked first."""
     if path.is_file() and path.suffix == ".gguf":
-        cached = loader._gguf_cache_path(path)
+        cached = loader._gguf_cache_path(path, dtype or loader.default_dtype())
         if not (cached / "config.json").is_file():
+            from jaxllm.io.gguf import gguf_source  # lazy: the gguf package is slow to import
+            gguf_source(path)  # a ValueError naming the problem, before any "converting"
             print(f"jaxllm: converting {path.name} once; the result is cached in {paths.cache_dir()} "
                   "(set JAXLLM_CACHE to move it)", file=sys.stderr, flush=True)
 
@@ -125,7 +128,7 @@ def load_model(args: argparse.Namespace):
     """(params, tokenizer) for --model / --dtype / --quant; the default model when --model is absent."""
     path = _model_path(args.model)
     tok = jaxllm.load_tokenizer(path)
-    _note_conversion(path)
+    _note_conversion(path, args.dtype)
     params = jaxllm.load(path, dtype=args.dtype, quant=args.quant, mesh=mesh_of(getattr(args, "tp", 1)))
     return params, tok
 

@@ -9,6 +9,9 @@ What this module owns:
   (`model.layers.{i}.self_attn.q_proj.weight`, [out, in]). The layout quirks llama.cpp's converter
   introduces (the Q/K row permutation of llama files, llama3 RoPE scaling baked into a tensor)
   are undone here, so everything downstream sees a plain HF checkpoint.
+- `gguf_source(path, dtype)`: `(hf_config, source)`, every check made up front (architecture,
+  tensor set and shapes, each tensor's type), the tensors then read as an HF checkpoint is
+  (`io.reading.TensorSource`), dequantized a block of rows at a time straight into `dtype`.
 - `gguf_tokenizer_info(path_or_header)`: the tokenizer metadata, for `jaxllm.text.tokenizer`.
 
 The parser is our own rather than `gguf.GGUFReader`: it is ~20x faster on a 100k-string vocabulary
@@ -20,6 +23,7 @@ matches tensor for tensor (tests/test_gguf.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -34,6 +38,7 @@ from gguf.quants import dequantize
 
 from jaxllm.io.paths import default_model_path
 from jaxllm.model.config import END_OF_TURN_TOKENS, ModelConfig
+from jaxllm.io.reading import first_nonfinite
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 counted with 32-bit integers; llama.cpp dropped it in 2023
@@ -550,17 +555,132 @@ def _required_names(config: dict, model_type: str) -> list[str]:
     return names
 
 
-def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-    """`(hf_config, tensors)` of a GGUF file (default: the default model), tensors float32 with HF
-    names and layouts; `lm_head.weight` only when the file has its own output matrix."""
-    if path is None:
-        path = default_model_path()
+@dataclass(frozen=True)
+class _Part:
+    """Where one HF tensor's values lie in the file."""
+
+    info: TensorInfo
+    expert: int | None  # its index in a stacked [E, out, in] tensor
+    heads: int | None  # llama.cpp permuted its rows per head (Q/K of llama files): the head count
+
+
+# Values dequantized at a time: each reading thread holds about this many float32 values (and
+# their packed bytes) besides the parameter it fills, whatever the tensor's size.
+_CHUNK_VALUES = 1 << 20
+
+
+@functools.cache
+def dequantizable(ggml_type: int) -> bool:
+    """Whether the `gguf` package can dequantize this ggml type (probed on one zero block)."""
+    qtype = GGMLQuantizationType(ggml_type)
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+class GGUFSource:
+    """The tensors of a GGUF file under their HF names, as `params.from_hf_tensors` reads a
+    checkpoint (`TensorSource`): each dequantized a block of rows at a time, straight into the
+    caller's array in `dtype`, so no float32 copy of a tensor, let alone of the model, is held.
+
+    `sink(name, start, values)`, when set, also receives each block as written (`values` in
+    `dtype`, starting at flat index `start` of the HF tensor): the on-disk cache.
+    """
+
+    def __init__(self, header: GGUFHeader, parts: dict[str, _Part], dtype):
+        self.header, self._parts, self._dtype = header, parts, np.dtype(dtype)
+        self.shapes = {name: p.info.shape[1:] if p.expert is not None else p.info.shape
+                       for name, p in parts.items()}
+        self.sink = None
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._dtype
+
+    def position(self, name: str) -> tuple[int, int]:
+        p = self._parts[name]
+        return 0, p.info.offset + (p.expert or 0)
+
+    def read_into(self, name: str, view: np.ndarray) -> None:
+        cols = self.shapes[name][-1] if self.shapes[name] else 1
+        budget = max(cols, _CHUNK_VALUES // cols * cols)
+        _fill(view, lambda start, count: self._values(name, start, count), 0, budget)
+
+    def _values(self, name: str, start: int, count: int) -> np.ndarray:
+        """Flat values [start, start + count) of HF tensor `name`, in `dtype`."""
+        p, shape = self._parts[name], self.shapes[name]
+        if count == 0 or p.info.nbytes == 0:
+            return np.zeros(count, self._dtype)
+        if len(shape) == 1:  # a norm or bias: small, read whole (its rows permuted as values)
+            w = self._rows(p, 0, 1, p.info.nbytes).reshape(-1)
+            if p.heads is not None:
+                w = _unpermute_rows(w, p.heads)
+            w = w[start:start + count]
+        else:
+            cols, rows = shape[-1], math.prod(shape[:-1])
+            row_bytes = p.info.nbytes // math.prod(p.info.shape[:-1])
+            first, end = start // cols, -(-(start + count) // cols)
+            if p.heads is not None:  # whole heads, to undo their row permutation
+                per_head = rows // p.heads
+                first, end = first // per_head * per_head, -(-end // per_head) * per_head
+            base = (p.expert or 0) * rows
+            w = self._rows(p, base + first, base + end, row_bytes)
+            if p.heads is not None:
+                w = _unpermute_rows(w, (end - first) // per_head)
+            w = w.reshape(-1)[start - first * cols:start - first * cols + count]
+        if (at := first_nonfinite(w, self._dtype)) is not None:
+            index = tuple(int(i) for i in np.unravel_index(start + at[0], shape))
+            value = w[at]
+            if np.isfinite(value):
+                raise ValueError(f"{self.header.path}: tensor {p.info.name!r} ({name}) holds {value} "
+                                 f"at index {index}, past what {self._dtype.name} can hold: load "
+                                 "the file in a wider dtype")
+            raise ValueError(f"{self.header.path}: tensor {p.info.name!r} ({name}) holds {value} at "
+                             f"index {index}: the file is damaged (a weight must be a finite number)")
+        out = w.astype(self._dtype)
+        if self.sink is not None:
+            self.sink(name, start, out)
+        return out
+
+    def _rows(self, p: _Part, first: int, end: int, row_bytes: int) -> np.ndarray:
+        """Rows [first, end) of a GGUF tensor, dequantized to float32 [end - first, cols]."""
+        with open(self.header.path, "rb") as f:
+            raw = np.fromfile(f, np.uint8, (end - first) * row_bytes,
+                              offset=p.info.offset + first * row_bytes)
+        if raw.size != (end - first) * row_bytes:
+            raise ValueError(f"{self.header.path}: truncated: tensor {p.info.name!r} is cut short")
+        qtype = GGMLQuantizationType(p.info.ggml_type)
+        return dequantize(raw.reshape(end - first, row_bytes), qtype).reshape(end - first, -1)
+
+
+def _fill(view: np.ndarray, values, start: int, budget: int) -> None:
+    """Fill `view` (any strides) with `values(start, count)`, flat C order, `budget` values at a
+    time where its leading axes allow."""
+    if view.size <= budget or view.ndim <= 1:
+        np.copyto(view, values(start, view.size).reshape(view.shape))
+        return
+    inner = view[0].size
+    step = budget // inner
+    if step == 0:
+        for i in range(view.shape[0]):
+            _fill(view[i], values, start + i * inner, budget)
+        return
+    for a in range(0, view.shape[0], step):
+        sub = view[a:a + step]
+        np.copyto(sub, values(start + a * inner, sub.size).reshape(sub.shape))
+
+
+def gguf_source(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, GGUFSource]:
+    """`(hf_config, source)` of a GGUF file: everything that can be checked without dequantizing
+    (header, architecture, config, the tensor set and shapes, each tensor's type) is checked, so
+    a file this returns for loads; the tensors are read when `source` is."""
     header = read_gguf_header(path)
     config = gguf_to_hf_config(header)
     arch = _arch(header)
     num_experts = config.get("num_local_experts", config.get("num_experts", 0))
     layers = config["num_hidden_layers"]
-    names = {}
+    parts = {}
     for gguf_name, info in header.tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue  # folded into config["rope_scaling"]
@@ -573,33 +693,44 @@ def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np
                              f"[{len(hf_names)} experts, out, in]")
         if hf_names[0].startswith("model.layers.") and int(hf_names[0].split(".")[2]) >= layers:
             raise ValueError(f"{header.path}: tensor {gguf_name!r} is beyond block_count={layers}")
-        names[gguf_name] = hf_names
-
-    hf_names = {n for group in names.values() for n in group}
-    blocks = {n.split(".")[2] for n in hf_names if n.startswith("model.layers.")}
-    if layers > len(blocks):  # found before a name is made for each block it claims
-        raise ValueError(f"{header.path}: GGUF metadata gives block_count={layers}, but the file holds "
-                         f"tensors of {len(blocks)} blocks")
-    missing = [n for n in _required_names(config, arch.model_type) if n not in hf_names]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ValueError(f"{header.path}: the GGUF file lacks tensors for {', '.join(missing[:3])}{more}")
-
-    def load(gguf_name: str) -> np.ndarray:
-        w = _dequantize(header, header.tensors[gguf_name])
+        if not dequantizable(info.ggml_type):
+            raise ValueError(f"{header.path}: tensor {gguf_name!r} is stored as "
+                             f"{GGMLQuantizationType(info.ggml_type).name}, which the gguf package "
+                             "cannot dequantize")
         heads = (config["num_attention_heads"] if ".attn_q." in gguf_name
                  else config["num_key_value_heads"] if ".attn_k." in gguf_name else None)
         if arch.permute_qk and heads is not None:
-            if w.shape[0] != heads * config["head_dim"] or config["head_dim"] % 2:
-                raise ValueError(f"{header.path}: tensor {gguf_name!r} has {w.shape[0]} rows, expected "
-                                 f"{heads} heads x head_dim {config['head_dim']} (even)")
-            w = _unpermute_rows(w, heads)
-        return w
+            if info.shape[0] != heads * config["head_dim"] or config["head_dim"] % 2:
+                raise ValueError(f"{header.path}: tensor {gguf_name!r} has {info.shape[0]} rows, "
+                                 f"expected {heads} heads x head_dim {config['head_dim']} (even)")
+        else:
+            heads = None
+        for e, hf_name in enumerate(hf_names):
+            parts[hf_name] = _Part(info, e if len(hf_names) > 1 else None, heads)
 
-    arrays = {}
+    blocks = {n.split(".")[2] for n in parts if n.startswith("model.layers.")}
+    if layers > len(blocks):  # found before a name is made for each block it claims
+        raise ValueError(f"{header.path}: GGUF metadata gives block_count={layers}, but the file holds "
+                         f"tensors of {len(blocks)} blocks")
+    missing = [n for n in _required_names(config, arch.model_type) if n not in parts]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"{header.path}: the GGUF file lacks tensors for {', '.join(missing[:3])}{more}")
+    return config, GGUFSource(header, parts, dtype)
+
+
+def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """`(hf_config, tensors)` of a GGUF file (default: the default model), tensors float32 with HF
+    names and layouts; `lm_head.weight` only when the file has its own output matrix. The whole
+    model in float32: `jaxllm.load` reads through `gguf_source` instead."""
+    if path is None:
+        path = default_model_path()
+    config, source = gguf_source(path, np.float32)
+
+    def load(name: str) -> np.ndarray:
+        out = np.empty(source.shapes[name], np.float32)
+        source.read_into(name, out)
+        return out
     # numpy releases the GIL in the dequantize arithmetic, so threads overlap the big tensors
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for hf_names, w in zip(names.values(), pool.map(load, names)):
-            # a stacked [E, out, in] tensor: expert e's [out, in] matrix is w[e]
-            arrays.update(zip(hf_names, w if len(hf_names) > 1 else [w]))
-    return config, arrays
+        return config, dict(zip(source.shapes, pool.map(load, source.shapes)))

@@ -303,12 +303,14 @@ PRE_TOKENIZER_SPLITS = {
 }
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str]) -> BackendTokenizer:
-    """GPT-2 style byte-level BPE (`tokenizer.ggml.model == "gpt2"`)."""
+def _byte_level_bpe(tokens: list[str], merges: list[str], plain: set[int] = frozenset()) -> BackendTokenizer:
+    """GPT-2 style byte-level BPE (`tokenizer.ggml.model == "gpt2"`). The ids in `plain` (control,
+    user-defined and named special tokens) keep the text the file gives them: llama.cpp's converter
+    stores those decoded, as the text they match whole, not in the byte alphabet."""
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
-    # llama.cpp writes a few tokens in plain UTF-8 rather than the byte alphabet; respell them
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+    # llama.cpp writes a few ordinary tokens in plain UTF-8 rather than the byte alphabet; respell them
+    vocab = {t if i in plain or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}
     backend = BackendTokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
                                    dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
@@ -331,9 +333,11 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
     return [(a, b) for a, b, _ in merges]
 
 
-def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores) -> BackendTokenizer:
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores,
+                       add_space_prefix: bool = True) -> BackendTokenizer:
     """SentencePiece BPE with byte fallback (`tokenizer.ggml.model == "llama"`), as transformers'
-    LlamaTokenizer builds it: `▁` for spaces, one prepended to the first word only."""
+    LlamaTokenizer builds it: `▁` for spaces, one prepended to the first word only unless the file
+    says `add_space_prefix = false` (Gemma 3), and then none is stripped when decoding either."""
     vocab = {t: i for i, t in enumerate(tokens)}
     if merges is not None:
         pairs = [tuple(m.split(" ")) for m in merges]
@@ -344,10 +348,12 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores) -> B
     backend = BackendTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
                                    dropout=None))
     backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
-                                                     split=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
     return backend
 
 
@@ -395,32 +401,6 @@ def _from_gguf(path: Path) -> Tokenizer:
         raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported "
                          f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
     merges, scores = _typed(info, "ggml.merges", list, path), _typed(info, "ggml.scores", list, path)
-    try:
-        if model == "gpt2":
-            backend = _byte_level_bpe(tokens, merges or [])
-        else:
-            backend = _sentencepiece_bpe(tokens, merges, scores)
-    except Exception as e:  # tokenizers raises plain Exceptions on bad vocabularies/merges
-        raise ValueError(f"{path}: the GGUF tokenizer metadata is invalid: {e}") from None
-
-    # Control tokens (<|im_start|>) are special: matched whole, skipped on request. In a byte-level
-    # vocabulary a "control" token outside the byte alphabet is a llama.cpp mislabel and is skipped.
-    alphabet = set(_bytes_to_unicode().values()) if model == "gpt2" else None
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
-               if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)]
-    if control:
-        backend.add_special_tokens(control)
-    # User-defined tokens (<think>) are matched whole too, but are ordinary text
-    vocab = backend.get_vocab(with_added_tokens=True)
-    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
-            if kind == _USER_DEFINED and t in vocab]
-    if user:
-        backend.add_tokens(user)
-    split = PRE_TOKENIZER_SPLITS.get(_typed(info, "ggml.pre", str, path))
-    if split is not None and model == "gpt2":
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
     def token_id(key):
         i = _typed(info, f"ggml.{key}", int, path)
@@ -430,8 +410,40 @@ def _from_gguf(path: Path) -> Tokenizer:
             raise ValueError(f"{path}: tokenizer.ggml.{key} = {i} is outside the vocabulary")
         return i
 
+    named = {key: token_id(key) for key in ("bos_token_id", "eos_token_id", "unknown_token_id",
+                                            "padding_token_id", "eot_token_id", "eom_token_id")}
+    # The file's ids are the truth: control and user-defined tokens (and the named ones, which
+    # llama.cpp treats as control whatever their type) keep their text and id, and match whole.
+    plain = {i for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)}
+    plain |= {i for i in named.values() if i is not None}
+    add_space_prefix = _typed(info, "ggml.add_space_prefix", bool, path)
+    try:
+        if model == "gpt2":
+            backend = _byte_level_bpe(tokens, merges or [], plain)
+        else:
+            backend = _sentencepiece_bpe(tokens, merges, scores,
+                                         True if add_space_prefix is None else add_space_prefix)
+    except Exception as e:  # tokenizers raises plain Exceptions on bad vocabularies/merges
+        raise ValueError(f"{path}: the GGUF tokenizer metadata is invalid: {e}") from None
+
+    # Control tokens (<|im_start|>, <｜User｜>) are special: matched whole, skipped on request.
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
+               if kind == _CONTROL]
+    if control:
+        backend.add_special_tokens(control)
+    # User-defined tokens (<think>) are matched whole too, but are ordinary text
+    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
+            if kind == _USER_DEFINED]
+    if user:
+        backend.add_tokens(user)
+    split = PRE_TOKENIZER_SPLITS.get(_typed(info, "ggml.pre", str, path))
+    if split is not None and model == "gpt2":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
     def token(key):
-        i = token_id(key)
+        i = named[key]
         return None if i is None else tokens[i]
 
     specials = _Specials(bos=token("bos_token_id"), eos=token("eos_token_id"),
@@ -442,7 +454,13 @@ def _from_gguf(path: Path) -> Tokenizer:
     add_bos = model == "llama" if add_bos is None else add_bos
     add_eos = _typed(info, "ggml.add_eos_token", bool, path) or False
     backend.post_processor = _template_processing(specials, add_bos, add_eos, backend)
-    extra_eos = [i for k in ("eot_token_id", "eom_token_id") if (i := token_id(k)) is not None]
+    # A token the vocabulary lacks would be appended past it, an id no embedding row holds
+    # (two tokens of one spelling leave one of them unreachable, but inside the vocabulary).
+    if backend.get_vocab_size(with_added_tokens=True) > len(tokens):
+        past = sorted(t for t, i in backend.get_vocab(with_added_tokens=True).items() if i >= len(tokens))
+        raise ValueError(f"{path}: tokens {past[:4]} would get ids past the {len(tokens)}-token "
+                         "vocabulary")
+    extra_eos = [i for k in ("eot_token_id", "eom_token_id") if (i := named[k]) is not None]
     return Tokenizer(backend, specials=specials, chat_template=_typed(info, "chat_template", str, path),
                      extra_eos_ids=extra_eos, name=str(path))
 
