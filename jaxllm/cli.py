@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 from jaxllm.perplexity import add_perplexity
 from jaxllm.roofline import add_roofline
+from jaxllm.server.cli import add_serve
 
 
 class UsageError(Exception):
@@ -340,7 +341,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand; `--help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_convert, add_roofline]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_serve, add_perplexity, add_convert, add_roofline]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""Text around token ids: incremental detokenization and stop strings (detokenize)."""
