@@ -49,3 +49,7 @@ def tiny(tmp_path_factory):
 def llama(tiny) -> TinyModel:
     return tiny("llama")
 
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a server or loads the default model (deselect with -m 'not slow')")

@@ -203,7 +203,7 @@ def _job(kind, body: _Sampling, limits: Limits, prompt, max_tokens, logprobs, wa
     options = body.stream_options
     if options is not None and not body.stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return Job(kind, prompt, _requests(body, limits, prompt, max_tokens, logprobs), body.stop,
+    return Job(kind, prompt, _requests(body, limits, prompt, max_tokens, logprobs), list(body.stop or []),
                bool(body.stream), bool(options and options.include_usage), wants_logprobs, body.model)
 
 
