@@ -23,7 +23,7 @@ from jaxllm.config import ModelConfig
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*recompiling generate")]
 
 KEY = "sk-test-key"
 MODEL = "tiny"
@@ -351,3 +351,83 @@ def test_disconnect_aborts_queued_and_streaming_requests(live, client):
     m = live.wait_idle()
     assert m["jaxllm:requests_aborted_total"] == before + 2
     assert m["jaxllm:slots_in_use"] == 0
+
+
+def test_engine_failure_ends_streams_with_an_error_and_health_503(params, tok):
+    """An exception on the engine thread: the open stream gets an error event, /health turns 503,
+    new requests get 503, and the owner hears of it (the CLI exits non-zero)."""
+    from jaxllm.engine.api import Event
+    from jaxllm.engine.serial import SerialEngine
+    from jaxllm.server.app import create_app
+
+    class Failing(SerialEngine):
+        def _run(self, rid, request, on_event):
+            on_event(Event([5]))
+            raise RuntimeError("injected engine failure")
+
+    fatal = []
+    engine = Failing(params, max_context=32, max_queued=MAX_QUEUED)
+    server = LiveServer(create_app(engine, tok, MODEL, on_fatal=fatal.append))
+    try:
+        server.wait_ready()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIError, match="injected engine failure"):
+            for _ in c.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True):
+                pass
+        deadline = time.monotonic() + 10
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fatal and "injected engine failure" in fatal[0]
+        assert server.get("/health")[0] == 503
+        status, err, _ = _error(server.post("/v1/completions", {"model": MODEL, "prompt": "x"}))
+        assert status == 503 and "injected engine failure" in err["message"]
+    finally:
+        server.stop()
+
+
+def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
+    """`jaxllm serve` as users run it: /health 503 then 200; on SIGTERM an answer in flight still
+    completes, and the process exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllm", "serve", "--max-context", "64", "--port", str(port),
+                             "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        def health():
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                return conn.getresponse().status
+            except OSError:
+                return None
+        deadline = time.monotonic() + 300
+        while health() != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = "Once upon a time"
+        stream = iter(c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        text = next(stream).choices[0].text
+        proc.send_signal(signal.SIGTERM)
+        finishes = []
+        for chunk in stream:
+            text += chunk.choices[0].text
+            finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+        assert finishes == ["length"]
+        params = jaxllm.load(dtype="float32")
+        ids = tok.encode(prompt, add_special_tokens=True)
+        assert text == tok.decode(_greedy(params, ids, 24), True)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

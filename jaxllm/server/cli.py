@@ -7,6 +7,7 @@ Exit codes: 0 after SIGTERM or Ctrl-C (in-flight requests finished, or aborted a
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -96,5 +97,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = Server(config)
+    # uvicorn raises a SIGTERM it handled again once it has drained, through the handler it found;
+    # this one ignores it there, so a drained server exits 0 rather than die by the signal.
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
     server.run()
     return 1 if failure or not server.started else 0
