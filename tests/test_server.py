@@ -431,3 +431,13 @@ def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_no_compilation_after_ready(live, client):
+    """Any sampling settings, logprobs, seeds and prompt lengths run on what warm-up compiled."""
+    before = live.metrics()["jaxllm:compilations_total"]
+    for i, extra in enumerate([dict(temperature=0.7, top_p=0.9, seed=2 ** 40), dict(temperature=1.0, logprobs=3),
+                               dict(temperature=0, presence_penalty=0.5, frequency_penalty=0.5),
+                               dict(temperature=0.5, extra_body=dict(top_k=5, min_p=0.1, repetition_penalty=1.3))]):
+        client.completions.create(model=MODEL, prompt="word " * (3 + 9 * i), max_tokens=3, **extra)
+    assert live.metrics()["jaxllm:compilations_total"] == before

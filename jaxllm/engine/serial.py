@@ -45,19 +45,19 @@ def compilations() -> int:
     return _compilations
 
 
-@partial(jax.jit, static_argnames=("flags", "logprobs"))
-def _choose(logits_1V, counts_1V, seen_1V, key, index, values, flags, logprobs: bool):
+@partial(jax.jit, static_argnames=("greedy", "logprobs"))
+def _choose(logits_1V, counts_1V, seen_1V, key, index, values, greedy: bool, logprobs: bool):
     """The next token of one row, with OpenAI's presence/frequency penalties (output tokens) and
     transformers' repetition penalty (prompt and output) before `sample`; and, if asked, the raw
-    distribution's log-probability of it and the top MAX_TOP_LOGPROBS (vLLM's default)."""
-    greedy, use_top_k, use_top_p, use_min_p, use_penalty = flags
+    distribution's log-probability of it and the top MAX_TOP_LOGPROBS (vLLM's default).
+
+    Every filter and penalty is always applied, with neutral values where a request has none
+    (see `_values`), so four programs serve every request: nothing compiles after warm-up."""
     temperature, top_k, top_p, min_p, repetition, presence, frequency = values
-    scored = logits_1V
-    if use_penalty:
-        scored = apply_repetition_penalty(scored, seen_1V, repetition)
-        scored = scored - presence * (counts_1V > 0) - frequency * counts_1V
+    scored = apply_repetition_penalty(logits_1V, seen_1V, repetition)
+    scored = scored - presence * (counts_1V > 0) - frequency * counts_1V
     token_1 = sample(scored, jax.random.fold_in(key, index), temperature, top_k, top_p, min_p,
-                     greedy=greedy, use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p)
+                     greedy=greedy, use_top_k=True, use_top_p=True, use_min_p=True)
     if not logprobs:
         return token_1, None
     logp_1V = jax.nn.log_softmax(logits_1V, axis=-1)
@@ -66,9 +66,13 @@ def _choose(logits_1V, counts_1V, seen_1V, key, index, values, flags, logprobs: 
     return token_1, (chosen_1, top_1K, ids_1K)
 
 
-def _flags(r: Request) -> tuple[bool, ...]:
-    penalty = r.repetition_penalty != 1 or r.presence_penalty != 0 or r.frequency_penalty != 0
-    return (r.temperature == 0, r.top_k > 0, r.top_p < 1, r.min_p > 0, penalty)
+def _values(r: Request, vocab: int) -> tuple:
+    """`_choose`'s traced settings; neutral ones leave the logits exactly as they are: top_k of
+    the whole vocabulary, top_p 2 (the mass above any token is below it), min_p 0, penalties 1
+    and 0 (x / 1 and x - 0 are x)."""
+    return (jnp.float32(r.temperature), jnp.int32(r.top_k or vocab),
+            *(jnp.float32(x) for x in (r.top_p if r.top_p < 1 else 2.0, r.min_p, r.repetition_penalty,
+                                       r.presence_penalty, r.frequency_penalty)))
 
 
 class SerialEngine:
@@ -222,24 +226,20 @@ class SerialEngine:
 
     def _run(self, rid: int, r: Request, on_event: OnEvent) -> None:
         V = self._params.config.vocab_size
-        flags = _flags(r)
-        values = (jnp.float32(r.temperature), jnp.int32(r.top_k),
-                  *(jnp.float32(x) for x in (r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty,
-                                             r.frequency_penalty)))
+        values = _values(r, V)
         stops = set(r.stop_token_ids) | (set() if r.ignore_eos else self._stops)
         key = _key(r.seed)
         counts = np.zeros((1, V), np.float32)
         seen = np.zeros((1, V), bool)
-        if flags[4]:
-            seen[0, list(r.prompt)] = True
+        seen[0, list(r.prompt)] = True
         logits, cache = self._first_logits(list(r.prompt))
         for i in range(r.max_tokens):
             if self._is_aborted(rid):
                 on_event(Event(finish_reason="abort"))
                 return
             token_1, lp = _choose(logits, jnp.asarray(counts), jnp.asarray(seen), key, jnp.int32(i),
-                                  values, flags, r.logprobs is not None)
-            token = int(token_1[0])
+                                  values, r.temperature == 0, r.logprobs is not None)
+            token = int(np.asarray(token_1)[0])
             logprobs = None
             if lp is not None:
                 chosen, top, ids = (np.asarray(x)[0] for x in lp)
@@ -255,7 +255,7 @@ class SerialEngine:
 
     def _warm_up(self) -> None:
         """Compile the prefill of every prompt bucket up to max_context, a decode step and the
-        usual samplers (greedy and plain temperature, with and without logprobs)."""
+        four samplers (greedy or not, logprobs or not)."""
         width = MIN_BUCKET
         while True:
             logits, cache = self._first_logits([0] * min(width, self.max_context))
@@ -264,12 +264,11 @@ class SerialEngine:
             width = bucket(width + 1)
         decode_step(self._params, np.array([0], np.int32), cache, self._rotation)
         V = self._params.config.vocab_size
+        _key(2 ** 40)  # a seed past 32 bits folds its high bits in: one more small program
         for temperature in (0.0, 1.0):
             for logprobs in (False, True):
-                r = Request((0,), 1, temperature=temperature)
-                values = (jnp.float32(temperature), jnp.int32(0), *(jnp.float32(x) for x in (1, 0, 1, 0, 0)))
-                _choose(logits, jnp.zeros((1, V)), jnp.zeros((1, V), bool), _key(0), jnp.int32(0),
-                        values, _flags(r), logprobs)
+                _choose(logits, jnp.zeros((1, V), jnp.float32), jnp.zeros((1, V), bool), _key(0), jnp.int32(0),
+                        _values(Request((0,), 1, temperature=temperature), V), temperature == 0, logprobs)
 
 
 def default_seed() -> int:
