@@ -187,6 +187,9 @@ class _Run:
             self.abort()
             self.state.metrics.rejected.inc()
             raise APIError(429, f"the server is busy: {e}; retry later", None, "queue_full") from None
+        except ValueError as e:  # what the engine itself refuses (protocol.py checks it first)
+            self.abort()
+            raise APIError(400, str(e), None, None) from None
         except EngineClosed as e:
             self.abort()
             raise APIError(503, f"the server is not accepting requests: {e}", None, "service_unavailable") \
