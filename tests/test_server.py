@@ -468,3 +468,12 @@ def test_streamed_text_never_splits_a_character(client):
         assert "".join(pieces) == whole
         if "\ufffd" not in whole:
             assert all("\ufffd" not in p for p in pieces)
+
+
+def test_seeded_sampling_equals_generate(client, params, tok):
+    ids = tok.encode(PROMPT, add_special_tokens=True)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, top_p=0.9, seed=5,
+                                  extra_body={"ignore_eos": True, "top_k": 50})
+    out = jaxllm.generate(params, [ids], max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=5,
+                          eos_token_ids=[])
+    assert r.choices[0].text == tok.decode([int(t) for t in np.asarray(out.tokens[0])], True)
