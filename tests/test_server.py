@@ -329,27 +329,36 @@ def test_full_queue_is_429_with_retry_after(live, client):
     assert r.choices[0].finish_reason == "length"  # nothing else failed
 
 
+def _leave_while_queued(live, body: dict) -> None:
+    """Send a request over a raw socket, wait until it queues, then close the connection."""
+    before = live.metrics()["jaxllm:num_requests_waiting"]
+    conn = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+    data = json.dumps(body).encode()
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    deadline = time.monotonic() + 10
+    while live.metrics()["jaxllm:num_requests_waiting"] == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live.metrics()["jaxllm:num_requests_waiting"] == before + 1
+    conn.close()
+    while live.metrics()["jaxllm:num_requests_waiting"] > before and time.monotonic() < deadline + 10:
+        time.sleep(0.01)
+    assert live.metrics()["jaxllm:num_requests_waiting"] == before  # aborted while it waited
+
+
 def test_disconnect_aborts_queued_and_streaming_requests(live, client):
     before = live.metrics()["jaxllm:requests_aborted_total"]
-    long = dict(model=MODEL, prompt=PROMPT, max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
+    long = dict(model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
     stream = client.completions.create(stream=True, **long)
     it = iter(stream)
-    next(it)  # the long request is decoding
-    # a non-streaming request waits behind it; its client leaves
-    conn = socket.create_connection(("127.0.0.1", live.port), timeout=10)
-    body = json.dumps(dict(long["extra_body"], model=MODEL, prompt=PROMPT, max_tokens=100)).encode()
-    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
-                 b"\r\n\r\n" + body)
-    deadline = time.monotonic() + 10
-    while live.metrics()["jaxllm:num_requests_waiting"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live.metrics()["jaxllm:num_requests_waiting"] == 1
-    conn.close()
+    next(it)  # the long request is decoding; the next ones wait behind it and their clients leave
+    _leave_while_queued(live, dict(model=MODEL, prompt=PROMPT, max_tokens=100, ignore_eos=True))
+    _leave_while_queued(live, dict(model=MODEL, prompt=PROMPT, max_tokens=100, ignore_eos=True, stream=True))
     next(it)
     stream.close()  # the streaming client leaves mid-answer
     m = live.wait_idle()
-    assert m["jaxllm:requests_aborted_total"] == before + 2
+    assert m["jaxllm:requests_aborted_total"] == before + 3
     assert m["jaxllm:slots_in_use"] == 0
 
 

@@ -258,29 +258,42 @@ def _stream_chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool = Fal
 
 async def _stream(run: _Run):
     job = run.job
-    try:
-        if job.kind == "chat":
-            for c in run.choices:
-                yield _stream_chunk(run, c, "", [], first=True)
-        while not run.done():
-            c, text, lps = await run.next()
-            if c.finish == "error":
-                # after the headers went out, an error is an SSE event (openai-python raises on it)
-                err = APIError(500, f"the engine failed: {c.error}", None, "engine_error")
-                yield f"data: {json.dumps(err.body())}\n\n"
-                break
-            if text or lps or c.finish is not None:
-                yield _stream_chunk(run, c, text, lps)
-        else:
-            if job.include_usage:
-                chunk = {"id": run.id, "object": "chat.completion.chunk" if job.kind == "chat" else
-                         "text_completion", "created": run.created, "model": job.model, "choices": [],
-                         "usage": run.usage()}
-                yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        if run.abort():
-            run.state.metrics.aborted.inc()
+    if job.kind == "chat":
+        for c in run.choices:
+            yield _stream_chunk(run, c, "", [], first=True)
+    while not run.done():
+        c, text, lps = await run.next()
+        if c.finish == "error":
+            # after the headers went out, an error is an SSE event (openai-python raises on it)
+            err = APIError(500, f"the engine failed: {c.error}", None, "engine_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+            break
+        if text or lps or c.finish is not None:
+            yield _stream_chunk(run, c, text, lps)
+    else:
+        if job.include_usage:
+            chunk = {"id": run.id, "object": "chat.completion.chunk" if job.kind == "chat" else
+                     "text_completion", "created": run.created, "model": job.model, "choices": [],
+                     "usage": run.usage()}
+            yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _SSE(StreamingResponse):
+    """The stream of a run, whose unfinished choices are aborted however the response ends: a
+    client gone mid-stream (Starlette cancels the body), or before the body's first chunk (the
+    generator never starts, so a `finally` inside it would never run)."""
+
+    def __init__(self, run: _Run):
+        super().__init__(_stream(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.run.abort():
+                self.run.state.metrics.aborted.inc()
 
 
 async def _whole(run: _Run) -> dict:
@@ -319,8 +332,7 @@ async def _serve(state: ServerState, request: HTTPRequest, make_job) -> Response
     run = _Run(state, make_job(data, state.limits))
     run.submit()
     if run.job.stream:
-        return StreamingResponse(_stream(run), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _SSE(run)
     # Nothing tells a non-streaming handler that its client left: race it against the disconnect.
     answer = asyncio.ensure_future(_whole(run))
     gone = asyncio.ensure_future(_until_disconnect(request))
@@ -332,8 +344,8 @@ async def _serve(state: ServerState, request: HTTPRequest, make_job) -> Response
             answer.cancel()
             if run.abort():
                 state.metrics.aborted.inc()
-    if answer.cancelled():
-        return Response(status_code=499)  # no one reads it
+    if not answer.done():
+        return Response(status_code=499)  # the client is gone: no one reads it
     return JSONResponse(answer.result())
 
 
