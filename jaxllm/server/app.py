@@ -90,7 +90,7 @@ class _Choice:
     """One choice's text and counts, fed engine events in order."""
 
     def __init__(self, index: int, job: Job, tokenizer, t0: float):
-        self.index, self.tok, self.t0 = index, tokenizer, t0
+        self.index, self.t0 = index, t0
         self.detok = Detokenizer(tokenizer)
         self.stop = StopMatcher(job.stops)
         self.tokens = 0
@@ -102,15 +102,15 @@ class _Choice:
 
     def feed(self, ev: Event) -> tuple[str, list]:
         """(new text, new TokenLogprobs) of an event; sets `finish` at the choice's end."""
-        now = time.perf_counter()
         if ev.token_ids and self.t_first is None:
-            self.t_first = now
-        self.tokens += len(ev.token_ids)
+            self.t_first = time.perf_counter()
         ids, lps = list(ev.token_ids), list(ev.logprobs or [])
-        if ev.finish_reason == "stop" and ids:  # the stop token itself is not shown
+        if ev.finish_reason == "stop" and ids:  # the stop token itself is counted, not shown
             ids, lps = ids[:-1], lps[:len(ids) - 1]
+            self.tokens += 1
         out, shown = [], []
         for j, t in enumerate(ids):
+            self.tokens += 1  # up to the token that completes a stop string, none after it
             out.append(self.stop.push(self.detok.push(t)))
             if j < len(lps):
                 shown.append(lps[j])
