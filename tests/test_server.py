@@ -240,6 +240,9 @@ def test_stop_strings(client, live, tok, params):
         want = _cut(text, stops)
         r = client.completions.create(**kw)
         assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+        # the tokens up to the one that completed the stop string
+        assert r.usage.completion_tokens == next(k for k in range(1, 13)
+                                                 if any(x in tok.decode(out[:k], True) for x in stops))
         pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
         assert "".join(pieces) == want  # nothing of a stop string reached the stream
     after = live.wait_idle()

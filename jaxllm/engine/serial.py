@@ -11,7 +11,6 @@ sampling, the same key per token index).
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import traceback
 from functools import partial
@@ -270,7 +269,3 @@ class SerialEngine:
                 _choose(logits, jnp.zeros((1, V), jnp.float32), jnp.zeros((1, V), bool), _key(0), jnp.int32(0),
                         _values(Request((0,), 1, temperature=temperature), V), temperature == 0, logprobs)
 
-
-def default_seed() -> int:
-    """A fresh 63-bit seed for a request that names none."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
