@@ -421,9 +421,12 @@ def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
             except OSError:
                 return None
         deadline = time.monotonic() + 300
-        while health() != 200:
+        seen = set()
+        while (status := health()) != 200:
+            seen.add(status)
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.5)
+        assert 503 in seen  # answered while loading and compiling
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         prompt = "Once upon a time"
         stream = iter(c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24,
