@@ -65,7 +65,7 @@ def run_cli(*args: str, stdin: str = "", entry: str = "module", timeout: int = 3
 def test_help_lists_the_subcommands():
     r = run_cli("--help")
     assert r.returncode == 0, r.stderr
-    assert "generate" in r.stdout and "chat" in r.stdout
+    assert "generate" in r.stdout and "chat" in r.stdout and "serve" in r.stdout
 
 
 @pytest.mark.slow
@@ -112,6 +112,11 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     (["roofline", "tiny", "--context", "-5"], "argument --context: must be in [0, 2147483647] (int32), got -5"),
     (["roofline", "tiny", "--dtype", "int32"], "dtype must be bfloat16, float16, float32 or int8, got int32"),
     (["generate", "hi", "--seed", str(2 ** 63)], "seed must be a whole number"),
+    (["serve", "--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
+    (["serve", "--max-queued", "0"], "argument --max-queued: must be >= 1, got 0"),
+    (["serve", "--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a number of seconds >= 0"),
+    (["serve", "--max-slots", "4"], "--max-slots above 1 needs the continuous-batching engine"),
+    (["serve", "--model", "/nonexistent/model"], "no model at /nonexistent/model"),
 ])
 def test_bad_numbers_exit_2_with_the_reason(argv, message, capsys):
     try:

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxllm"
 
 # Earlier layers first; a module belongs to the first entry that is it or a package above it.
 LAYERS = ["jaxllm.env", "jaxllm.layers", "jaxllm.kernels", "jaxllm.model", "jaxllm.families", "jaxllm.io",
-          "jaxllm.text", "jaxllm.engine", "jaxllm.tools", "jaxllm", "jaxllm.cli", "jaxllm.__main__"]
+          "jaxllm.text", "jaxllm.engine", "jaxllm.tools", "jaxllm", "jaxllm.server", "jaxllm.cli", "jaxllm.__main__"]
 
 
 def _modules() -> dict[str, Path]:

@@ -22,10 +22,11 @@ from jaxllm.cli.convert import add_convert
 from jaxllm.cli.generate import add_chat, add_generate
 from jaxllm.cli.perplexity import add_perplexity
 from jaxllm.cli.roofline import add_roofline
+from jaxllm.cli.serve import add_serve
 
 
 # Each entry adds one subcommand; `--help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_convert, add_roofline]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_serve, add_perplexity, add_convert, add_roofline]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,1 +1,1 @@
-"""Text: the tokenizer and the sandboxed chat template."""
+"""Text: the tokenizer, the sandboxed chat template, incremental detokenization and stop strings."""

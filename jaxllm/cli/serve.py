@@ -1,0 +1,103 @@
+"""`jaxllm serve`: the OpenAI-compatible server on uvicorn, in the shape of jaxllm.cli.SUBCOMMANDS.
+
+Exit codes: 0 after SIGTERM or Ctrl-C (in-flight requests finished, or aborted after
+--shutdown-timeout), 1 when the engine failed (loading, compiling or serving), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def add_serve(subparsers) -> None:
+    from jaxllm.cli.common import add_model_args, positive_int
+
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+        description="Serve the model over HTTP with OpenAI's API: /v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health (503 until ready), /metrics "
+                    "(Prometheus). SIGTERM stops admitting and drains.")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--max-slots", type=positive_int, default=1, metavar="N",
+                   help="requests generated at once (default: 1; the interim engine runs one at a time)")
+    p.add_argument("--max-context", type=positive_int, default=None, metavar="N",
+                   help="prompt + max_tokens of one request, at most (default: the model's context)")
+    p.add_argument("--max-queued", type=positive_int, default=64, metavar="N",
+                   help="requests waiting for a slot before more get 429 (default: 64)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the checkpoint's file or directory name)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds in-flight requests may take before they are aborted "
+                        "(default: 30)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import jaxllm
+    from jaxllm.cli.common import UsageError, _model_path, load_model
+    from jaxllm.io import paths
+    from jaxllm.engine.serial import SerialEngine
+    from jaxllm.server.app import create_app
+
+    if args.max_slots != 1:
+        raise UsageError("--max-slots above 1 needs the continuous-batching engine; this one runs one "
+                         "request at a time")
+    path = _model_path(args.model)
+    tok = jaxllm.load_tokenizer(path)
+    name = args.served_model_name or (Path(path).stem if path != paths.default_model_path() else
+                                      "SmolLM2-135M-Instruct")
+
+    def load():  # on the engine's start thread: the server answers /health with 503 meanwhile
+        return load_model(args)[0]
+
+    # the model's stop ids join these when it is loaded (cli.stop_ids)
+    engine = SerialEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_context=args.max_context,
+                          max_queued=args.max_queued)
+    failure: list[str] = []
+
+    def on_fatal(message: str) -> None:
+        print(f"jaxllm serve: error: the engine failed: {message}", file=sys.stderr)
+        failure.append(message)
+        server.should_exit = True
+
+    app = create_app(engine, tok, name, api_key=args.api_key, eos_token_ids=tok.eos_token_ids,
+                     shutdown_timeout=args.shutdown_timeout, on_fatal=on_fatal)
+    state = app.state.jaxllm
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.phase in ("loading", "ready"):
+                state.phase = "draining"  # new requests on open connections get 503
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = Server(config)
+    # uvicorn raises a SIGTERM it handled again once it has drained, through the handler it found;
+    # this one ignores it there, so a drained server exits 0 rather than die by the signal.
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    server.run()
+    return 1 if failure or not server.started else 0

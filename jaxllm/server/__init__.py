@@ -1,0 +1,1 @@
+"""`jaxllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over a jaxllm.engine."""

@@ -1,0 +1,423 @@
+"""The OpenAI-compatible HTTP app over an engine (jaxllm.engine.api): FastAPI routes, SSE, errors.
+
+/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. Each request becomes a
+`Job` (protocol.py), one engine request per choice. Events come back on the engine's thread and
+are handed to this app's asyncio loop with `loop.call_soon_threadsafe` into one queue per HTTP
+request; text is made here (Detokenizer, StopMatcher), never on the engine thread. A client that
+goes away (a streaming one: Starlette cancels the body; a non-streaming one: a disconnect listener
+races the handler, as vLLM's `with_cancellation` does) has its engine requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxllm.engine.api import EngineClosed, Event, QueueFull
+from jaxllm.server.metrics import Metrics
+from jaxllm.server.protocol import APIError, Job, Limits, chat_job, completion_job
+from jaxllm.text.detokenize import Detokenizer, StopMatcher
+
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+
+
+class ServerState:
+    """What the routes share: the engine, the checks' limits, the metrics and the phase
+    (loading -> ready -> draining, or failed)."""
+
+    def __init__(self, engine, tokenizer, model: str, api_key: str | None, max_n: int,
+                 eos_token_ids=(), on_fatal: Callable[[str], None] | None = None):
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        self.max_n, self.eos = max_n, tuple(eos_token_ids)
+        self.on_fatal = on_fatal
+        self.metrics = Metrics(engine)
+        self.phase = "loading"
+        self.failure: str | None = None
+        self.limits: Limits | None = None
+        self.created = int(time.time())
+
+    def became_ready(self) -> None:
+        self.limits = Limits(self.model, self.tokenizer, self.engine.max_context, self.max_n, self.eos)
+        if self.phase == "loading":
+            self.phase = "ready"
+
+    def fail(self, message: str) -> None:
+        if self.phase == "failed":
+            return
+        self.phase, self.failure = "failed", message
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+
+def _error(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _authorize(state: ServerState, request: HTTPRequest) -> None:
+    if state.key_digest is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+            hashlib.sha256(key.strip().encode()).digest(), state.key_digest):
+        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                       None, "invalid_api_key")
+
+
+async def _body(request: HTTPRequest):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", "body") from None
+
+
+class _Choice:
+    """One choice's text and counts, fed engine events in order."""
+
+    def __init__(self, index: int, job: Job, tokenizer, t0: float):
+        self.index, self.t0 = index, t0
+        self.detok = Detokenizer(tokenizer)
+        self.stop = StopMatcher(job.stops)
+        self.tokens = 0
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.text: list[str] = []
+        self.logprobs: list = []  # TokenLogprob of each token shown
+        self.t_first: float | None = None
+
+    def feed(self, ev: Event) -> tuple[str, list]:
+        """(new text, new TokenLogprobs) of an event; sets `finish` at the choice's end."""
+        if ev.token_ids and self.t_first is None:
+            self.t_first = time.perf_counter()
+        ids, lps = list(ev.token_ids), list(ev.logprobs or [])
+        if ev.finish_reason == "stop" and ids:  # the stop token itself is counted, not shown
+            ids, lps = ids[:-1], lps[:len(ids) - 1]
+            self.tokens += 1
+        out, shown = [], []
+        for j, t in enumerate(ids):
+            self.tokens += 1  # up to the token that completes a stop string, none after it
+            out.append(self.stop.push(self.detok.push(t)))
+            if j < len(lps):
+                shown.append(lps[j])
+            if self.stop.stopped:
+                self.finish = "stop"
+                break
+        if ev.finish_reason is not None and self.finish is None:
+            out.append(self.stop.push(self.detok.flush()))
+            out.append(self.stop.flush())
+            self.finish = "stop" if self.stop.stopped else ev.finish_reason
+            self.error = ev.error
+        text = "".join(out)
+        self.text.append(text)
+        self.logprobs += shown
+        return text, shown
+
+    def observe(self, metrics: Metrics) -> None:
+        now = time.perf_counter()
+        metrics.generation_tokens.inc(self.tokens)
+        if self.finish in ("stop", "length"):
+            metrics.success.labels(self.finish).inc()
+            metrics.e2e.observe(now - self.t0)
+            if self.t_first is not None:
+                metrics.ttft.observe(self.t_first - self.t0)
+                if self.tokens > 1:
+                    metrics.tpot.observe((now - self.t_first) / (self.tokens - 1))
+
+
+def _token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id], False)
+
+
+def _chat_logprobs(tok, lps: list) -> dict:
+    def entry(t, p):
+        s = _token_text(tok, t)
+        return {"token": s, "logprob": p, "bytes": list(s.encode("utf-8"))}
+    return {"content": [dict(entry(x.token_id, x.logprob), top_logprobs=[entry(t, p) for t, p in x.top])
+                        for x in lps]}
+
+
+def _completion_logprobs(tok, lps: list, offset: int) -> dict:
+    tokens = [_token_text(tok, x.token_id) for x in lps]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_token_text(tok, t): p for t, p in x.top} for x in lps],
+            "text_offset": offsets}
+
+
+class _Run:
+    """One HTTP request's engine requests: submit, events in order, abort what is left."""
+
+    def __init__(self, state: ServerState, job: Job):
+        self.state, self.job = state, job
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.t0 = time.perf_counter()
+        self.choices = [_Choice(i, job, state.tokenizer, self.t0) for i in range(len(job.requests))]
+        self.rids: list[int] = []
+        self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def submit(self) -> None:
+        if self.state.phase != "ready":
+            raise APIError(503, f"the server is {self.state.phase}" if self.state.phase != "failed" else
+                           f"the engine failed: {self.state.failure}", None, "service_unavailable")
+        loop = asyncio.get_running_loop()
+        engine = self.state.engine
+        try:
+            for i, r in enumerate(self.job.requests):
+                self.rids.append(engine.submit(r, self._poster(loop, i)))
+        except QueueFull as e:
+            self.abort()
+            self.state.metrics.rejected.inc()
+            raise APIError(429, f"the server is busy: {e}; retry later", None, "queue_full") from None
+        except ValueError as e:  # what the engine itself refuses (protocol.py checks it first)
+            self.abort()
+            raise APIError(400, str(e), None, None) from None
+        except EngineClosed as e:
+            self.abort()
+            raise APIError(503, f"the server is not accepting requests: {e}", None, "service_unavailable") \
+                from None
+        self.state.metrics.prompt_tokens.inc(len(self.job.prompt_ids))
+
+    def _poster(self, loop: asyncio.AbstractEventLoop, i: int):
+        queue = self.queue
+
+        def post(ev: Event) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
+            except RuntimeError:  # the loop is closed: the server is gone
+                pass
+        return post
+
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    async def next(self) -> tuple[_Choice, str, list]:
+        """The next event's (choice, new text, new logprobs); aborts a choice a stop string ended."""
+        while True:
+            i, ev = await self.queue.get()
+            c = self.choices[i]
+            if c.finish is not None:
+                continue  # events after a stop string matched (the abort is on its way)
+            text, lps = c.feed(ev)
+            if c.finish is not None:
+                if ev.finish_reason is None:  # a stop string: the engine still runs it
+                    self.state.engine.abort(self.rids[i])
+                c.observe(self.state.metrics)
+            return c, text, lps
+
+    def abort(self) -> bool:
+        """Abort every choice not finished (the client left, or submit failed part way); whether
+        there was one."""
+        left = [rid for rid, c in zip(self.rids, self.choices) if c.finish is None]
+        for rid in left:
+            self.state.engine.abort(rid)
+        return bool(left)
+
+    def usage(self) -> dict:
+        prompt, completion = len(self.job.prompt_ids), sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _stream_chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool = False) -> str:
+    tok, job = run.state.tokenizer, run.job
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choice = {"index": c.index, "delta": delta,
+                  "logprobs": _chat_logprobs(tok, lps) if job.logprobs and lps else None,
+                  "finish_reason": c.finish}
+        obj = "chat.completion.chunk"
+    else:
+        offset = sum(len(t) for t in c.text) - len(text)
+        choice = {"index": c.index, "text": text,
+                  "logprobs": _completion_logprobs(tok, lps, offset) if job.logprobs else None,
+                  "finish_reason": c.finish}
+        obj = "text_completion"
+    chunk = {"id": run.id, "object": obj, "created": run.created, "model": job.model, "choices": [choice]}
+    if job.include_usage:
+        chunk["usage"] = None
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+async def _stream(run: _Run):
+    job = run.job
+    if job.kind == "chat":
+        for c in run.choices:
+            yield _stream_chunk(run, c, "", [], first=True)
+    while not run.done():
+        c, text, lps = await run.next()
+        if c.finish == "error":
+            # after the headers went out, an error is an SSE event (openai-python raises on it)
+            err = APIError(500, f"the engine failed: {c.error}", None, "engine_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+            break
+        if text or lps or c.finish is not None:
+            yield _stream_chunk(run, c, text, lps)
+    else:
+        if job.include_usage:
+            chunk = {"id": run.id, "object": "chat.completion.chunk" if job.kind == "chat" else
+                     "text_completion", "created": run.created, "model": job.model, "choices": [],
+                     "usage": run.usage()}
+            yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _SSE(StreamingResponse):
+    """The stream of a run, whose unfinished choices are aborted however the response ends: a
+    client gone mid-stream (Starlette cancels the body), or before the body's first chunk (the
+    generator never starts, so a `finally` inside it would never run)."""
+
+    def __init__(self, run: _Run):
+        super().__init__(_stream(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.run.abort():
+                self.run.state.metrics.aborted.inc()
+
+
+async def _whole(run: _Run) -> dict:
+    while not run.done():
+        c, _, _ = await run.next()
+        if c.finish == "error":
+            raise APIError(500, f"the engine failed: {c.error}", None, "engine_error")
+    tok, job = run.state.tokenizer, run.job
+    choices = []
+    for c in run.choices:
+        text = "".join(c.text)
+        if job.kind == "chat":
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": _chat_logprobs(tok, c.logprobs) if job.logprobs else None,
+                            "finish_reason": c.finish})
+        else:
+            choices.append({"index": c.index, "text": text,
+                            "logprobs": _completion_logprobs(tok, c.logprobs, 0) if job.logprobs else None,
+                            "finish_reason": c.finish})
+    return {"id": run.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": run.created, "model": job.model, "choices": choices, "usage": run.usage()}
+
+
+async def _until_disconnect(request: HTTPRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _serve(state: ServerState, request: HTTPRequest, make_job) -> Response:
+    _authorize(state, request)
+    data = await _body(request)
+    if state.limits is None:
+        raise APIError(503, f"the server is {state.phase}", None, "service_unavailable")
+    run = _Run(state, make_job(data, state.limits))
+    run.submit()
+    if run.job.stream:
+        return _SSE(run)
+    # Nothing tells a non-streaming handler that its client left: race it against the disconnect.
+    answer = asyncio.ensure_future(_whole(run))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()
+            if run.abort():
+                state.metrics.aborted.inc()
+    if not answer.done():
+        return Response(status_code=499)  # the client is gone: no one reads it
+    return JSONResponse(answer.result())
+
+
+def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max_n: int = 8,
+               eos_token_ids=(), start_engine: bool = True, shutdown_timeout: float = 5.0,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app serving `engine` under the name `model`. With `start_engine`, the lifespan starts
+    the engine in a thread (loading and compiling; /health is 503 until it is ready) and shuts it
+    down, aborting what is left after `shutdown_timeout` seconds. `on_fatal(message)` runs on the
+    app's loop when the engine fails (the CLI stops the server with a non-zero exit)."""
+    state = ServerState(engine, tokenizer, model, api_key, max_n, eos_token_ids, on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        engine.on_failure = lambda message: loop.call_soon_threadsafe(state.fail, message)
+
+        def start() -> None:
+            try:
+                if start_engine:
+                    engine.start()
+            except BaseException as e:  # a load or compile error: the server cannot serve
+                loop.call_soon_threadsafe(state.fail, f"{type(e).__name__}: {e}")
+                return
+            loop.call_soon_threadsafe(state.became_ready)
+
+        starter = threading.Thread(target=start, name="jaxllm-engine-start", daemon=True)
+        starter.start()
+        yield
+        if state.phase != "failed":
+            state.phase = "draining"
+        await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+
+    app = FastAPI(title="jaxllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.jaxllm = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error(APIError(400, first.get("msg", "invalid request"), param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        return _error(APIError(e.status_code, str(e.detail), None, None))
+
+    @app.get("/health")
+    async def health():
+        if state.phase == "ready" and engine.ready:
+            return Response(status_code=200)
+        return JSONResponse(APIError(503, f"the server is {state.phase}").body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest):
+        _authorize(state, request)
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": state.created,
+                                            "owned_by": "jaxllm"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await _serve(state, request, completion_job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await _serve(state, request, chat_job)
+
+    return app
