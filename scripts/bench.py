@@ -103,7 +103,21 @@ FLOOR_ROW = 1024
 CLOCK_KEYS = ("sm_mhz", "sm_mhz_min", "power_w", "power_capped_pct")  # of telemetry's summary
 
 
-MAX_SIZE = 2**31 - 1  # the largest batch or prompt taken: int32, as the arrays that index them
+
+
+def _load_checks():
+    """jaxllm/checks.py alone: importing the package would set up its compile cache before
+    --no-compile-cache is read (main imports jaxllm after that)."""
+    spec = importlib.util.spec_from_file_location(
+        "_jaxllm_checks", Path(__file__).resolve().parent.parent / "jaxllm" / "checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+checks = _load_checks()
+argtype = checks.argtype
+MAX_SIZE = checks.INT32_MAX  # the largest batch or prompt taken: int32, as the arrays that index them
 MAX_SEED = 2**63 - 1  # jax.random.key takes a C long
 
 
@@ -115,20 +129,6 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1 or max(values) > MAX_SIZE:
         raise argparse.ArgumentTypeError(f"expected integers >= 1 and <= {MAX_SIZE}, got {text!r}")
     return values
-
-
-def _int_in(least: int, most: int):
-    """An argparse type: an integer in [least, most]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not least <= value <= most:
-            shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
-            raise argparse.ArgumentTypeError(f"must be in [{least}, {most}], got {shown}")
-        return value
-    return parse
 
 
 def _rate_arg(text: str) -> float:
@@ -169,14 +169,14 @@ def parse_args(argv):
     p.add_argument("--quant", default="none", choices=("none", "int8"), help="weight quantization")
     p.add_argument("--kv-dtype", default=None, choices=("bf16", "int8"),
                    help="KV cache dtype (default: the model dtype)")
-    p.add_argument("--tp", type=_int_in(1, 1 << 20), default=1,
+    p.add_argument("--tp", type=argtype(1, 1 << 20), default=1,
                    help="tensor-parallel over this many devices (random weights drawn into their shards); "
                         "the roofline columns stay those of the whole model on one device")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp on a mixture of experts: split the experts over the devices instead "
                         "of each expert's F")
     p.add_argument("--repeat", type=int, default=3, help="timed generate calls per run (median)")
-    p.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0)
+    p.add_argument("--seed", type=argtype(0, MAX_SEED), default=0)
     p.add_argument("--trace-dir", help="record one profiled generate call per run under this directory")
     p.add_argument("--plot", help="PNG: decode tokens/s against batch beside the roofline (matplotlib)")
     p.add_argument("--measure-peaks", action="store_true",

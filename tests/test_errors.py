@@ -54,23 +54,23 @@ def test_prompt_plus_new_tokens_over_the_context(llama):
     (dict(top_p=0.0), r"top_p must be in \(0, 1\].*0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\].*1.5"),
     (dict(top_k=-1), r"top_k must be .*>= 0.*-1"),
-    (dict(top_k=2.5), r"top_k must be a whole number"),
+    (dict(top_k=2.5), r"top_k must be an integer, got 2.5"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\].*1.5"),
     (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
     (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0.*0.0"),
     (dict(repetition_penalty=-1.0), r"repetition_penalty must be > 0"),
     (dict(max_new_tokens=0), r"max_new_tokens must be .*>= 1.*0"),
-    (dict(max_new_tokens=float("nan")), r"max_new_tokens must be a whole number"),
-    (dict(max_new_tokens=None), r"max_new_tokens must be a number, got None"),
-    (dict(max_new_tokens="4"), r"max_new_tokens must be a number, got '4'"),
+    (dict(max_new_tokens=float("nan")), r"max_new_tokens must be an integer"),
+    (dict(max_new_tokens=None), r"max_new_tokens must be an integer, got None"),
+    (dict(max_new_tokens="4"), r"max_new_tokens must be an integer, got '4'"),
     (dict(temperature=float("inf")), r"temperature must be >= 0 .*finite"),
     (dict(temperature=None), r"temperature must be a number, got None"),
     (dict(top_p="x"), r"top_p must be a number"),
     (dict(temperature=1.0, top_k=2 ** 31), r"top_k must be .*at most 2147483647"),
-    (dict(temperature=1.0, top_k=float("inf")), r"top_k must be a whole number"),
-    (dict(seed=2 ** 63), r"seed must be a whole number .*at most 9223372036854775807"),
-    (dict(seed=1.5), r"seed must be a whole number"),
-    (dict(eos_token_ids=[2 ** 40]), r"stop id \(eos_token_ids\) must be a whole number"),
+    (dict(temperature=1.0, top_k=float("inf")), r"top_k must be an integer"),
+    (dict(seed=2 ** 63), r"seed must be at most 9223372036854775807"),
+    (dict(seed=1.5), r"seed must be an integer"),
+    (dict(eos_token_ids=[2 ** 40]), r"stop id \(eos_token_ids\) must be at most"),
     (dict(eos_token_ids=5), r"eos_token_ids must be a list of token ids or None, got 5"),
 ])
 def test_bad_sampling_settings(llama, kwargs, message):
@@ -163,13 +163,13 @@ def test_a_tuning_variable_that_does_not_parse_is_named(name, value, message):
 
 def test_low_level_calls_check_the_cache_and_the_context(llama):
     params, cfg = llama.params, llama.params.config
-    for kwargs, message in [(dict(batch=-1, length=8), r"cache batch must be a whole number >= 1 .*got -1"),
-                            (dict(batch=1, length=2.5), r"cache length must be a whole number"),
+    for kwargs, message in [(dict(batch=-1, length=8), r"cache batch must be >= 1, got -1"),
+                            (dict(batch=1, length=2.5), r"cache length must be an integer, got 2.5"),
                             (dict(batch=1, length=8, dtype="int32"), r"cache dtype must be a floating type"),
                             (dict(batch=2, length=8, start=[0]), r"start must be 2 whole numbers in \[0, 8\)"),
                             (dict(batch=2, length=8, start=[0, -1]), r"start must be 2 whole numbers"),
                             # an int32 slot count, not XLA's RESOURCE_EXHAUSTED for a 10**12-slot cache
-                            (dict(batch=1, length=10**12), r"cache length must be .*at most 2\*\*31 - 1")]:
+                            (dict(batch=1, length=10**12), r"cache length must be at most 2147483647, got 1000000000000")]:
         with pytest.raises(ValueError, match=message):
             jaxllm.init_cache(cfg, **kwargs)
     with pytest.raises(TypeError, match=r"init_cache takes the model's ModelConfig \(params.config\), got Params"):

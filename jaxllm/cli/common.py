@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import jaxllm
+from jaxllm.checks import argtype
 from jaxllm.engine.sampling import SamplingConfig
 from jaxllm.io import loader, paths
 from jaxllm.model.sharding import make_mesh
@@ -25,11 +26,7 @@ class UsageError(Exception):
 # Shared flags and helpers
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+positive_int = argtype(1)
 
 
 def directory_arg(text: str) -> str:

@@ -8,31 +8,18 @@ import sys
 
 import jax.numpy as jnp
 
+from jaxllm.checks import argtype
 from jaxllm.tools.presets import PRESETS, get_config
 from jaxllm.tools.roofline import (H200_BF16_MATMUL_FLOPS, H200_HBM_BW, MAX_SIZE, _dtype_name, analyze,
                                    format_table)
 
 
-def _size(least: int):
-    """An argparse type: an integer in [least, MAX_SIZE]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not least <= value <= MAX_SIZE:
-            shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
-            raise argparse.ArgumentTypeError(f"must be in [{least}, {MAX_SIZE}] (int32), got {shown}")
-        return value
-    return parse
-
-
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint directory")
-    p.add_argument("--batch", type=_size(1), default=1, help="rows per step (B)")
-    p.add_argument("--context", type=_size(0), default=None,
+    p.add_argument("--batch", type=argtype(1, MAX_SIZE), default=1, help="rows per step (B)")
+    p.add_argument("--context", type=argtype(0, MAX_SIZE), default=None,
                    help="cache positions filled after the step (S); default: --tokens")
-    p.add_argument("--tokens", type=_size(1), default=1, help="new tokens per row (T): 1 for a decode step")
+    p.add_argument("--tokens", type=argtype(1, MAX_SIZE), default=1, help="new tokens per row (T): 1 for a decode step")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16, float16, float32, int8")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the activations' dtype)")
     p.add_argument("--peak-bw", type=float, default=H200_HBM_BW, help="bytes/s (default: H200 datasheet)")

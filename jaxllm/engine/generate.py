@@ -20,10 +20,11 @@ import numpy as np
 from jaxllm.engine import memory
 from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
 from jaxllm.engine.memory import check_fit
-from jaxllm.engine.sampling import (INT32_MAX, SamplingConfig, SamplingFlags, SamplingParams,
+from jaxllm.checks import INT32_MAX, token_ids, whole
+from jaxllm.engine.sampling import (SamplingConfig, SamplingFlags, SamplingParams,
                                     apply_presence_frequency_penalty, apply_repetition_penalty, row_keys,
-                                    sample, whole)
-from jaxllm.engine.steps import check_kv_int8, check_tokens
+                                    sample)
+from jaxllm.engine.steps import check_kv_int8
 from jaxllm.env import env_flag
 from jaxllm.layers import dense as L
 from jaxllm.model.cache import init_cache, is_int8
@@ -78,34 +79,7 @@ def pad_prompts(params: Params, ids) -> tuple[np.ndarray, np.ndarray, int]:
     Returns (tokens [B, Tb], start [B], longest prompt length). Validates every id.
     """
     cfg = params.config
-    prompt = (list, tuple, np.ndarray, jax.Array)
-    if isinstance(ids, (list, tuple)) and (len(ids) == 0 or isinstance(ids[0], prompt)):
-        rows = []
-        for b, r in enumerate(ids):
-            try:
-                row = np.asarray(r) if isinstance(r, prompt) else None
-            except ValueError:  # numpy's "inhomogeneous shape"
-                raise ValueError(f"prompt {b} must be a flat list of token ids: it holds a nested list") \
-                    from None
-            if row is None or row.ndim != 1:
-                got = type(r).__name__ if row is None else f"shape {row.shape}"
-                raise ValueError(f"prompt {b} must be a list of token ids, got {got}")
-            if isinstance(r, (list, tuple)) and row.dtype.kind in "iu":  # numpy made a True among ints 1
-                j = next((j for j, t in enumerate(r) if isinstance(t, (bool, np.bool_))), None)
-                if j is not None:
-                    raise ValueError(f"token ids must be integers, got {r[j]!r} (a bool) at position {j} "
-                                     f"of prompt {b}")
-            rows.append(check_tokens(cfg, row) if row.size else np.zeros((0,), np.int32))
-    else:
-        try:
-            arr = np.asarray(ids)
-        except ValueError:  # numpy's "inhomogeneous shape"
-            raise ValueError("ids must be a [B, T] array or a list of token lists: it holds rows of "
-                             "different shapes or a nested list") from None
-        if arr.ndim != 2:
-            raise ValueError(f"ids must be a [B, T] array or a list of token lists, got shape {arr.shape}")
-        # An empty array's dtype says nothing (numpy's is float64): its emptiness is the problem
-        rows = list(check_tokens(cfg, arr) if arr.size else np.zeros(arr.shape, np.int32))
+    rows = token_ids(ids, cfg.vocab_size, ragged=True)
     if not rows:
         raise ValueError("ids holds no prompt (batch of 0)")
     for b, r in enumerate(rows):
@@ -372,10 +346,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                               frequency_penalty, seed)
     max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
-    if not isinstance(ids, (list, tuple, np.ndarray, jax.Array)):
-        raise ValueError(f"ids must be one prompt's token ids, a list, got {type(ids).__name__}")
-    if isinstance(ids, (np.ndarray, jax.Array)) and ids.ndim != 1:
-        raise ValueError(f"ids must be one prompt's token ids, a list, got an array of shape {ids.shape}")
+    ids = token_ids(ids, params.config.vocab_size, one=True)
     run = jitted_step()
 
     def new_cache(start, cache_length):
@@ -393,7 +364,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
                              fresh=True).lower().compile()
         return kv + _counted(compiled, params, run, tokens.shape, cache_length, is_int8(kv_dtype))
 
-    tokens, start, _, cache_length = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype,
+    tokens, start, _, cache_length = _plan(params, [ids], max_new_tokens, sampling, kv_dtype,
                                            allocated)
     stops = set(stops)
     flags, values = sampling.static(), jax.device_put(sampling.values())  # sent once, read every token

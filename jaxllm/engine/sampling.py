@@ -10,7 +10,6 @@ else is in the batch and whichever row it sits in.
 """
 
 import math
-import numbers
 from typing import NamedTuple, Sequence
 
 import jax
@@ -19,51 +18,8 @@ from jax import lax
 import numpy as np
 from flax import struct
 
+from jaxllm.checks import INT32_MAX, float32, number, whole
 from jaxllm.env import env_number
-from jaxllm.model.config import FLOAT32_MAX, INT32_MAX
-
-
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
-
-
-def number(name: str, value) -> float:
-    """`value` as a float, or a ValueError naming `name` where it is not one number: None, a
-    string, a bool (True is no temperature or seed), an array of more than a scalar."""
-    if isinstance(value, (str, bytes)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a number, got {value!r} (a bool)")
-    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-        if value.ndim != 0:
-            raise ValueError(f"{name} must be a number, got an array of shape {value.shape}")
-        if value.dtype == bool:
-            raise ValueError(f"{name} must be a number, got {value!r} (a bool)")
-        value = value.item()  # a JAX or numpy scalar: a Python number from here on
-    try:
-        return float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-
-
-def _float32(name: str, value: float, rule: str) -> float:
-    """`value` where float32 holds it as a normal number (or 0): 1e39 would be inf there, 1e-46
-    zero (a penalty divides by it); else a ValueError naming it."""
-    with np.errstate(over="ignore", under="ignore"):
-        held = float(np.float32(value))
-    if value != 0 and not (math.isfinite(held) and abs(held) >= FLOAT32_TINY):
-        raise ValueError(f"{name} must be {rule}, a normal float32 number (magnitude in "
-                         f"[{FLOAT32_TINY:.7g}, {FLOAT32_MAX:.7g}]), got {value}")
-    return value
-
-
-def whole(name: str, value, low: int, high: int = INT32_MAX) -> int:
-    """`value` as an int where it is a whole number in [low, high]; else a ValueError naming it."""
-    x = number(name, value)
-    whole = int(value) if isinstance(value, numbers.Integral) else \
-        int(x) if math.isfinite(x) and x == int(x) else None
-    if whole is None or not low <= whole <= high:
-        raise ValueError(f"{name} must be a whole number >= {low}, at most {high}, got {value}")
-    return whole
 
 
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1  # seeds are 64-bit: all their bits reach the key
@@ -73,32 +29,29 @@ def check_setting(name: str, value):
     """One sampling setting (a field of SamplingConfig) as a Python number, checked."""
     if name == "seed":
         return whole(name, value, SEED_MIN, SEED_MAX)
+    if name == "top_k":
+        return whole(name, value, 0)  # 0 disables it
     x = number(name, value)
     if name == "temperature":
         if not 0 <= x < math.inf:  # NaN fails every comparison
             raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {value}")
-        return _float32(name, x, ">= 0 (0 is greedy)")
-    if name == "top_k":
-        if not (0 <= x <= INT32_MAX and int(x) == x):
-            raise ValueError(f"top_k must be a whole number >= 0 (0 disables it) and at most {INT32_MAX}, "
-                             f"got {value}")
-        return int(x)
+        return float32(name, x, ">= 0 (0 is greedy)")
     if name == "top_p":
         if not 0 < x <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {value}")
-        return _float32(name, x, "in (0, 1]")
+        return float32(name, x, "in (0, 1]")
     if name == "min_p":
         if not 0 <= x <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {value}")
-        return _float32(name, x, "in [0, 1]")
+        return float32(name, x, "in [0, 1]")
     if name == "repetition_penalty":
         if not 0 < x < math.inf:
             raise ValueError(f"repetition_penalty must be > 0 and finite, got {value}")
-        return _float32(name, x, "> 0")
+        return float32(name, x, "> 0")
     if name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= x <= 2:  # OpenAI's range
             raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {value}")
-        return _float32(name, x, "in [-2, 2]")
+        return float32(name, x, "in [-2, 2]")
     raise KeyError(name)
 
 

@@ -20,7 +20,9 @@ import math
 
 import numpy as np
 
-from jaxllm.engine.steps import check_tokens, forward
+from jaxllm.checks import token_ids
+from jaxllm.engine.steps import forward
+
 
 def windows(ids, context: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [W, C] int32, mask [W, C-1] bool): windows sharing one token, the last padded.
@@ -59,7 +61,7 @@ def perplexity(params, ids, context: int = 512, batch: int = 4) -> dict:
     """{"nll", "ppl", "tokens" (predicted), "windows"} of the token ids `ids` under `params`."""
     import jax
 
-    tokens, mask = windows(check_tokens(params.config, ids), context)  # windows checks the shape
+    tokens, mask = windows(token_ids(ids, params.config.vocab_size), context)  # windows checks the shape
     rows = len(tokens)
     batch = max(1, min(batch, rows))
     pad = -rows % batch  # whole batches: one compiled shape

@@ -8,47 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.checks import token_ids
 from jaxllm.engine.memory import check_fit
 from jaxllm.model.cache import KVCache
-from jaxllm.model.config import ModelConfig
 from jaxllm.model.params import Params, require_params
 from jaxllm.model.transformer import _forward, jitted_step
 
 
-def _holds_bool(x) -> bool:
-    """Whether nested lists or tuples hold a bool anywhere."""
-    if isinstance(x, (list, tuple)):
-        return any(_holds_bool(t) for t in x)
-    return isinstance(x, (bool, np.bool_))
-
-
-def check_tokens(config: ModelConfig, tokens) -> np.ndarray:
-    """Host-side validation of token ids: integers inside [0, V); returned as int32."""
-    try:
-        arr = np.asarray(tokens)
-    except ValueError:  # numpy's "inhomogeneous shape"
-        raise ValueError("token ids must be a rectangular array: the rows differ in length or hold "
-                         "nested lists (generate pads rows of different lengths)") from None
-    if arr.size == 0:  # numpy makes an empty list float64: its dtype says nothing
-        return arr.astype(np.int32)
-    if arr.dtype.kind in "iuO" and _holds_bool(tokens):  # numpy made a True among ints 1
-        raise ValueError("token ids must be integers, got a bool among them (True would be token 1)")
-    if arr.dtype == object and all(isinstance(t, int) and not isinstance(t, bool) for t in arr.flat):
-        # Python ints too large for any integer dtype: name one rather than the dtype
-        raise ValueError(f"token id {max(arr.flat, key=abs)} out of range: the vocabulary has "
-                         f"{config.vocab_size} ids (0..{config.vocab_size - 1})")
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
-        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-        raise ValueError(f"token id {bad} out of range: the vocabulary has {config.vocab_size} ids "
-                         f"(0..{config.vocab_size - 1})")
-    return arr.astype(np.int32)
-
-
 def forward(params: Params, tokens_BT) -> jax.Array:
     """Logits [B, T, V] (float32) of whole sequences, no cache kept (scoring, tests)."""
-    tokens = check_tokens(require_params(params).config, tokens_BT)
+    tokens = token_ids(tokens_BT, require_params(params).config.vocab_size)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be a non-empty [B, T] array, got shape {tokens.shape}")
     if tokens.shape[1] > params.config.max_position_embeddings:
@@ -89,7 +58,7 @@ def _check_room(cache: KVCache, new: int, params: Params) -> int:
 
 def prefill(params: Params, tokens_BT, cache: KVCache):
     """Write a [B, T] block of prompt tokens (left-padded to cache.start); logits [B, V] of the last."""
-    tokens = check_tokens(require_params(params).config, tokens_BT)
+    tokens = token_ids(tokens_BT, require_params(params).config.vocab_size)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != cache.batch:
         raise ValueError(f"prefill needs [B={cache.batch}, T>0] tokens, got shape {tokens.shape}")
     fresh = _check_room(cache, tokens.shape[1], params) == 0
@@ -101,7 +70,7 @@ def decode_step(params: Params, tokens_B, cache: KVCache, rotation=None):
 
     `rotation`: `rotation_table(params.config, cache.length)`, made once by a loop of steps
     (unsharded params), which spares each step making it."""
-    tokens = check_tokens(require_params(params).config, tokens_B)
+    tokens = token_ids(tokens_B, require_params(params).config.vocab_size)
     if tokens.shape != (cache.batch,):
         raise ValueError(f"decode_step needs [B={cache.batch}] tokens, got shape {tokens.shape}")
     _check_room(cache, 1, params)

@@ -11,14 +11,14 @@ positions) make `insert`, `rollback` and `release` O(1) bookkeeping, and as ever
 [0, S) nothing wraps.
 """
 
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxllm.model.config import INT32_MAX, ModelConfig
+from jaxllm.checks import whole
+from jaxllm.model.config import ModelConfig
 
 
 @struct.dataclass
@@ -55,10 +55,8 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16,
     if not isinstance(config, ModelConfig):
         hint = " (params.config)" if hasattr(config, "config") else ""
         raise TypeError(f"init_cache takes the model's ModelConfig{hint}, got {type(config).__name__}")
-    for name, n in (("batch", batch), ("length", length)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= INT32_MAX:
-            raise ValueError(f"cache {name} must be a whole number >= 1 and at most 2**31 - 1 (slots and rows "
-                             f"are int32), got {n!r}")
+    batch, length = (whole(f"cache {name}", n, 1, floats=False) for name, n in (("batch", batch),
+                                                                                ("length", length)))
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"cache dtype must be a floating type (kv_dtype='int8' for an int8 cache), got {dtype}")
     L = config.num_layers

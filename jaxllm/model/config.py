@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.checks import FLOAT32_MAX, INT32_MAX, finite, flag, whole
+
 # model_type -> the family features transformers gives it. Anything else is refused by name.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-INT32_MAX = 2 ** 31 - 1
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # rms_norm_eps past it is infinity in the norm
 # Far past any published model (126 layers, 512 experts): a damaged count is refused before a
 # name or flag is made for each layer or expert, which would take minutes or all the memory.
 MAX_LAYERS = 4096
@@ -35,40 +35,6 @@ END_OF_TURN_TOKENS = (
 def _fix(obj, name: str, value):
     """Set a field of a frozen dataclass in its __post_init__ (a checked value, normalized)."""
     object.__setattr__(obj, name, value)
-
-
-def _as_int(name: str, value, least: int | None = None, most: int = INT32_MAX) -> int:
-    """`value` as an int: an int or a whole float, not a bool, in [least, most]; else a ValueError
-    naming it. Sizes, ids and windows all become int32 on the device: `most` is int32's largest by
-    default, so none wraps there."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, not {value!r}")
-    if least is not None and value < least:
-        raise ValueError(f"{name} must be >= {least}, not {value}")
-    if value > most:
-        raise ValueError(f"{name} must be at most {most}, not {value}")
-    return int(value)
-
-
-def _as_float(name: str, value, *, above: float | None = None, least: float | None = None,
-              most: float | None = None) -> float:
-    """`value` as a finite float within the bounds given (above: exclusive), else a ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, not {value!r}")
-    if not (math.isfinite(value) and (above is None or value > above) and (least is None or value >= least)
-            and (most is None or value <= most)):
-        bounds = [b for b in (above is not None and f"> {above}", least is not None and f">= {least}",
-                              most is not None and f"<= {most}") if b]
-        raise ValueError(f"{name} must be a finite number {' and '.join(bounds)}".rstrip() + f", not {value!r}")
-    return float(value)
-
-
-def _as_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be true or false, not {value!r}")
-    return bool(value)
 
 
 def _rope_key(name: str) -> str:
@@ -97,16 +63,16 @@ class RopeConfig:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope type {self.rope_type!r}; supported: {ROPE_TYPES}")
         for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
-            _fix(self, name, _as_float(_rope_key(name), getattr(self, name), above=0.0))
+            _fix(self, name, finite(_rope_key(name), getattr(self, name), above=0.0))
         for name, above in (("attention_factor", 0.0), ("mscale", None), ("mscale_all_dim", None)):
             if getattr(self, name) is not None:
-                _fix(self, name, _as_float(_rope_key(name), getattr(self, name), above=above))
+                _fix(self, name, finite(_rope_key(name), getattr(self, name), above=above))
         _fix(self, "partial_rotary_factor",
-             _as_float("partial_rotary_factor", self.partial_rotary_factor, above=0.0, most=1.0))
+             finite("partial_rotary_factor", self.partial_rotary_factor, above=0.0, most=1.0))
         if self.original_max_position_embeddings is not None:
-            _fix(self, "original_max_position_embeddings", _as_int(
+            _fix(self, "original_max_position_embeddings", whole(
                 "rope original_max_position_embeddings", self.original_max_position_embeddings, 1))
-        _as_bool("rope truncate", self.truncate)
+        flag("rope truncate", self.truncate)
         if self.rope_type == "llama3":  # the smoothing ramp divides by high - low
             if self.original_max_position_embeddings is None:
                 raise ValueError("llama3 rope needs original_max_position_embeddings")
@@ -156,14 +122,14 @@ class ModelConfig:
                              f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings"):
-            _fix(self, name, _as_int(name, getattr(self, name), 1, MAX_LAYERS if name == "num_layers" else INT32_MAX))
+            _fix(self, name, whole(name, getattr(self, name), 1, MAX_LAYERS if name == "num_layers" else INT32_MAX))
         for name in ("ffn_size", "num_experts", "experts_per_token", "moe_ffn_size"):
-            _fix(self, name, _as_int(name, getattr(self, name), 0, MAX_EXPERTS if name == "num_experts" else INT32_MAX))
-        _fix(self, "rms_norm_eps", _as_float("rms_norm_eps", self.rms_norm_eps, least=0.0, most=FLOAT32_MAX))
+            _fix(self, name, whole(name, getattr(self, name), 0, MAX_EXPERTS if name == "num_experts" else INT32_MAX))
+        _fix(self, "rms_norm_eps", finite("rms_norm_eps", self.rms_norm_eps, least=0.0, most=FLOAT32_MAX))
         if self.sliding_window is not None:
-            _fix(self, "sliding_window", _as_int("sliding_window", self.sliding_window, 1))
+            _fix(self, "sliding_window", whole("sliding_window", self.sliding_window, 1))
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "norm_topk_prob"):
-            _as_bool(name, getattr(self, name))
+            flag(name, getattr(self, name))
         for name in ("sliding_layers", "moe_layers"):  # longer is fine (a preset cut to fewer layers)
             flags = getattr(self, name)
             if not (isinstance(flags, tuple) and all(isinstance(f, bool) for f in flags)
@@ -172,10 +138,10 @@ class ModelConfig:
                                  f"({self.num_layers} layers), not {flags!r}")
         for name in ("bos_token_id", "pad_token_id"):
             if getattr(self, name) is not None:
-                _fix(self, name, _as_int(name, getattr(self, name)))
+                _fix(self, name, whole(name, getattr(self, name)))
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError(f"eos_token_ids must be a tuple of ints, not {self.eos_token_ids!r}")
-        _fix(self, "eos_token_ids", tuple(_as_int("eos_token_ids", e) for e in self.eos_token_ids))
+        _fix(self, "eos_token_ids", tuple(whole("eos_token_ids", e) for e in self.eos_token_ids))
         if not isinstance(self.rope, RopeConfig):
             raise ValueError(f"rope must be a RopeConfig, not {self.rope!r}")
         if int(self.head_dim * self.rope.partial_rotary_factor) < 2:
@@ -296,17 +262,17 @@ def _int(c: dict, key: str, default=_REQUIRED, least: int | None = 1, most: int 
         if default is _REQUIRED:
             raise ValueError(f"config.json lacks required key {key!r}")
         return default
-    return _as_int(key, value, least, most)
+    return whole(key, value, least, most)
 
 
 def _float(c: dict, key: str, default: float, **bounds) -> float:
     value = c.get(key)
-    return default if value is None else _as_float(key, value, **bounds)
+    return default if value is None else finite(key, value, **bounds)
 
 
 def _bool(c: dict, key: str, default: bool) -> bool:
     value = c.get(key)
-    return default if value is None else _as_bool(key, value)
+    return default if value is None else flag(key, value)
 
 
 def _int_list(c: dict, key: str, least: int | None = None) -> list[int]:
@@ -316,7 +282,7 @@ def _int_list(c: dict, key: str, least: int | None = None) -> list[int]:
         return []
     if not isinstance(value, list):
         value = [value]
-    return [_as_int(key, v, least) for v in value]
+    return [whole(key, v, least) for v in value]
 
 
 def _from_hf_dict(c: dict) -> ModelConfig:
@@ -376,7 +342,7 @@ def _from_hf_dict(c: dict) -> ModelConfig:
         dense = c.get("mlp_only_layers") or []
         if not isinstance(dense, list):
             raise ValueError(f"mlp_only_layers must be a list of layer numbers, not {dense!r}")
-        dense = {_as_int("mlp_only_layers", i, 0) for i in dense}
+        dense = {whole("mlp_only_layers", i, 0) for i in dense}
         moe_layers = tuple(
             i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 

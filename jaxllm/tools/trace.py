@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 
+from jaxllm.checks import whole
 from jaxllm.engine.compile import RecompileWarning, kernel_view  # noqa: F401 (a trace user's names)
 
 # ----------------------------------------------------------------------------------------------
@@ -116,8 +117,9 @@ def trace_steady(fn: Callable[[], Any], log_dir: str | os.PathLike, *, warmup: i
     """
     if not callable(fn):
         raise TypeError(f"trace_steady's fn must be a function of no arguments, got {type(fn).__name__}")
-    warmup = _count("warmup", warmup, least=0)
-    runs = _count("runs", runs, least=1)  # no run traced: an empty trace, refused only by summary()
+    warmup = whole("warmup", warmup, 0, None, floats=False, kind_error=TypeError)
+    # no run traced: an empty trace, refused only by summary()
+    runs = whole("runs", runs, 1, None, floats=False, kind_error=TypeError)
     log_dir = _log_dir(log_dir)  # before the warm-up: a bad path is found before minutes of work
     if warmup < 1:
         warnings.warn("trace_steady(warmup=0): compilation will be part of the trace", stacklevel=2)
@@ -128,16 +130,6 @@ def trace_steady(fn: Callable[[], Any], log_dir: str | os.PathLike, *, warmup: i
             for _ in range(runs):
                 info.output = jax.block_until_ready(fn())
     return info
-
-
-def _count(name: str, value, least: int) -> int:
-    """`value` as an int >= least; a TypeError or ValueError naming `name` otherwise."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < least:
-        raise ValueError(f"{name} must be >= {least}, got {value}")
-    return value
 
 
 def _log_dir(log_dir) -> Path:
@@ -244,7 +236,7 @@ def summarize(trace_dir: str | os.PathLike, top: int | None = 15) -> Summary:
     it, and loops and calls are left out: their bodies' ops are counted instead.
     """
     if top is not None:
-        top = _count("top", top, least=0)
+        top = whole("top", top, 0, None, floats=False, kind_error=TypeError)
     run_dir, json_files = _trace_files(Path(trace_dir))
     modules = _hlo_modules(run_dir)
     times: dict[tuple[_Module | None, str], float] = collections.defaultdict(float)
