@@ -43,10 +43,14 @@ def whole(name: str, value, least: int | None = None, most: int | None = INT32_M
           floats: bool = True, kind_error: type = ValueError) -> int:
     """`value` as an int in [least, most] (None: unbounded): an int, a numpy/JAX integer scalar,
     or (with `floats`) a whole float; never a bool. A value of the wrong kind raises `kind_error`."""
+    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == bool:
+        raise kind_error(f"{name} must be an integer, got {value!r} (a bool)")
+    if hasattr(value, "ndim") and hasattr(value, "shape") and value.ndim != 0:
+        raise kind_error(f"{name} must be an integer, got an array of shape {value.shape}")
     x = _scalar(value)
     if floats and isinstance(x, float) and x.is_integer():
         x = int(x)
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+    if not isinstance(x, numbers.Integral):
         raise kind_error(f"{name} must be an integer, got {value!r}")
     x = int(x)
     if least is not None and x < least:
@@ -79,10 +83,11 @@ def float32(name: str, value: float, rule: str) -> float:
     return value
 
 
-def flag(name: str, value) -> bool:
-    """`value` as a bool: True or False only (1 and "yes" are refused)."""
+def flag(name: str, value, *, kind_error: type = ValueError) -> bool:
+    """`value` as a bool: True or False only, numpy's too (1 and a string "no" are refused)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        shown = "None" if value is None else f"{type(value).__name__} {value!r:.80}"
+        raise kind_error(f"{name} must be True or False, got {shown}")
     return bool(value)
 
 
@@ -180,7 +185,7 @@ def argtype(least: int, most: int | None = None):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < least or most is not None and value > most:
             shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
-            rule = f">= {least}" if most is None else f"in [{least}, {most}]"
+            rule = f">= {least}" if most is None else f"in [{least}, {most}]" + (" (int32)" if most == INT32_MAX else "")
             raise argparse.ArgumentTypeError(f"must be {rule}, got {shown}")
         return value
     return parse

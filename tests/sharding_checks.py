@@ -82,11 +82,11 @@ def write_checkpoint(directory: Path, hf: dict, seed: int = 0) -> Path:
     """config.json + model.safetensors of random weights for every tensor the config needs."""
     from safetensors.numpy import save_file
 
-    from jaxllm.model.config import ModelConfig
+    from jaxllm import families
     from jaxllm.model.params import named_specs
 
-    cfg = ModelConfig.from_hf(hf)
-    names = {n: shape for _, s in named_specs(cfg) for n, shape in s.hf}
+    cfg = families.config_from_hf(hf)
+    names = {n: shape for _, s in named_specs(cfg) for n, shape in families.of(cfg).hf_sources(s)}
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in sorted(names.items()):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxllm.engine import memory
+from jaxllm.families import config_from_hf
 from jaxllm.layers import quant
 from jaxllm.model import params as model_params
 from jaxllm.model.config import ModelConfig
@@ -201,7 +202,7 @@ def test_bench_writes_a_checkpoint_and_times_loading_it(tmp_path):
     written = json.loads(proc.stdout)
     files = list(checkpoint.glob("*.safetensors"))
     assert written["checkpoint_bytes"] == sum(f.stat().st_size for f in files) > 0
-    assert ModelConfig.from_hf(checkpoint) == presets.PRESETS["tiny"]
+    assert config_from_hf(checkpoint) == presets.PRESETS["tiny"]
 
     cold_keys = {"disk_read_gb_per_s", "disk_gb_read_in_plain_read", "disk_gb_read_in_load"}
     load_keys = {"load_s", "checkpoint_bytes", "load_gb_per_s", "cold", "fresh"} | cold_keys
@@ -309,7 +310,7 @@ PUBLISHED_PARAMS = {"llama3-8b": 8.03, "llama3-70b": 70.6, "llama3.2-1b": 1.24, 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
 def test_preset_is_the_published_config(name):
-    assert presets.PRESETS[name] == ModelConfig.from_hf(HF_CONFIGS[name])
+    assert presets.PRESETS[name] == config_from_hf(HF_CONFIGS[name])
     count = param_count(abstract_params(presets.PRESETS[name])) / 1e9
     assert count == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
 

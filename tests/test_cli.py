@@ -109,7 +109,7 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["roofline", "tiny", "--peak-bw", "0"], "peak_bw must be a positive, finite rate, got 0.0"),
     (["roofline", "tiny", "--peak-flops", "nan"], "peak_flops must be a positive, finite rate, got nan"),
-    (["roofline", "tiny", "--context", "-5"], "argument --context: must be in [0, 2147483647], got -5"),
+    (["roofline", "tiny", "--context", "-5"], "argument --context: must be in [0, 2147483647] (int32), got -5"),
     (["roofline", "tiny", "--dtype", "int32"], "dtype must be bfloat16, float16, float32 or int8, got int32"),
     (["generate", "hi", "--seed", str(2 ** 63)], "seed must be at most 9223372036854775807"),
     (["serve", "--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),

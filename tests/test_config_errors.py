@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import jaxllm
+from jaxllm.families import config_from_hf
 from jaxllm.io import checkpoint, hf
 from jaxllm.io.gguf import gguf_to_hf_config
-from jaxllm.model.config import ModelConfig
 from jaxllm.tools.presets import PRESETS, random_params
 from hangs import error_within
 
@@ -112,7 +112,7 @@ def test_bad_config_value_is_named(hf_dir, edit, message):
     path, config = hf_dir
     _write(path / "config.json", edit(config))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path / 'config.json'))}: .*{message}"):
-        ModelConfig.from_hf(path)
+        config_from_hf(path)
 
 
 def test_more_layers_than_the_checkpoint_holds_is_named_at_once(hf_dir):
@@ -134,7 +134,7 @@ def test_nan_eps_fails_the_load_not_the_logits(hf_dir):
 def test_whole_float_counts_are_read_as_ints(hf_dir):
     path, config = hf_dir
     _write(path / "config.json", config | dict(num_hidden_layers=3.0, vocab_size=256.0))
-    cfg = ModelConfig.from_hf(path)
+    cfg = config_from_hf(path)
     assert (cfg.num_layers, cfg.vocab_size) == (3, 256) and isinstance(cfg.num_layers, int)
 
 
@@ -148,7 +148,7 @@ def test_malformed_config_file_is_named(hf_dir, content, message):
     path, _ = hf_dir
     (path / "config.json").write_bytes(content)
     with pytest.raises(ValueError, match=rf"{re.escape(str(path / 'config.json'))}.*{message}"):
-        ModelConfig.from_hf(path)
+        config_from_hf(path)
 
 
 @pytest.mark.parametrize("content, message", [

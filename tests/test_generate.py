@@ -301,7 +301,8 @@ def test_jax_and_numpy_scalars_are_taken_as_sampling_settings(llama):
     for name, value in dict(temperature=0.5, top_k=5, top_p=0.5, min_p=0.5, repetition_penalty=0.5).items():
         with pytest.raises(ValueError, match=rf"{name} must be a number or a list of 1 \(one a row\), got 2 values"):
             jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([value, value])})
-        with pytest.raises(ValueError, match=rf"{name} must be a number, got an array of shape \(1, 2\)"):
+        kind = "an integer" if name == "top_k" else "a number"
+        with pytest.raises(ValueError, match=rf"{name} must be {kind}, got an array of shape \(1, 2\)"):
             jaxllm.generate(llama.params, prompt, max_new_tokens=4, **{name: jnp.array([[value, value]])})
 
 
@@ -341,11 +342,11 @@ def test_an_empty_array_is_reported_as_empty_not_by_its_dtype(llama, ids, messag
     (dict(repetition_penalty=1e-46), r"repetition_penalty must be .*normal float32.*got 1e-46"),  # 0 there
     (dict(top_p=1e-46), r"top_p must be .*normal float32.*got 1e-46"),
     (dict(min_p=1e-40), r"min_p must be .*normal float32.*got 1e-40"),
-    (dict(max_new_tokens=True), r"max_new_tokens must be a number, got True \(a bool\)"),
-    (dict(seed=True), r"seed must be a number, got True \(a bool\)"),
-    (dict(top_k=True), r"top_k must be a number, got True \(a bool\)"),
+    (dict(max_new_tokens=True), r"max_new_tokens must be an integer, got True \(a bool\)"),
+    (dict(seed=True), r"seed must be an integer, got True \(a bool\)"),
+    (dict(top_k=True), r"top_k must be an integer, got True \(a bool\)"),
     (dict(temperature=np.True_), r"temperature must be a number, got np.True_ \(a bool\)"),
-    (dict(eos_token_ids=[True]), r"stop id \(eos_token_ids\) must be a number, got True \(a bool\)"),
+    (dict(eos_token_ids=[True]), r"stop id \(eos_token_ids\) must be an integer, got True \(a bool\)"),
 ])
 def test_values_float32_cannot_hold_and_bools_are_refused(llama, kwargs, message):
     kwargs = dict(max_new_tokens=4) | kwargs

@@ -16,10 +16,10 @@ import torch
 import transformers
 
 import jaxllm
+from jaxllm.families import config_from_hf, config_to_hf
 import tiny_models
 from jaxllm.io import hf, loader
 from jaxllm.io.reading import from_hf_tensors
-from jaxllm.model.config import ModelConfig
 from jaxllm.tools import presets
 
 
@@ -57,7 +57,7 @@ def test_bf16_checkpoint_matches_transformers_in_bf16(tmp_path, tiny):
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_presets_write_a_config_json_that_reads_back_as_the_preset(name):
     cfg = presets.PRESETS[name]
-    assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg)))) == cfg
 
 
 # Every family and switch of the tiny models, whose config.json transformers must read as jaxllm
@@ -65,7 +65,7 @@ def test_presets_write_a_config_json_that_reads_back_as_the_preset(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(tiny_models.VARIANTS) + ["tiny-moe"])
 def test_written_checkpoints_load_in_transformers_as_in_jaxllm(tmp_path, name):
-    cfg = presets.PRESETS.get(name) or ModelConfig.from_hf(tiny_models.hf_config(name).to_dict())
+    cfg = presets.PRESETS.get(name) or config_from_hf(tiny_models.hf_config(name).to_dict())
     files = presets.write_checkpoint(cfg, tmp_path, seed=3, dtype="float32", scale=0.2,
                                      shard_bytes=200_000)
     assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()

@@ -25,6 +25,7 @@ import transformers
 
 import jaxllm
 from jaxllm import kernels
+from jaxllm.families import config_from_hf
 from jaxllm.layers import dense as L
 from jaxllm.model.config import ModelConfig, RopeConfig
 from kernel_modes import decode_per_mode, spy
@@ -123,22 +124,22 @@ def test_config_published_spellings_and_defaults():
     base = dict(num_hidden_layers=4, num_attention_heads=4, hidden_size=64, vocab_size=100,
                 intermediate_size=96)
     # Qwen3-30B-A3B's config.json spells num_experts and sets norm_topk_prob.
-    qwen = ModelConfig.from_hf({**base, "model_type": "qwen3_moe", "num_experts": 128,
-                                "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                                "norm_topk_prob": True, "decoder_sparse_step": 1,
-                                "mlp_only_layers": []})
+    qwen = config_from_hf({**base, "model_type": "qwen3_moe", "num_experts": 128,
+                           "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                           "norm_topk_prob": True, "decoder_sparse_step": 1,
+                           "mlp_only_layers": []})
     assert (qwen.num_experts, qwen.experts_per_token, qwen.norm_topk_prob) == (128, 8, True)
     assert qwen.moe_layers == (True,) * 4
     # Absent keys: transformers' defaults (Qwen3MoeConfig.norm_topk_prob is False).
-    qwen_default = ModelConfig.from_hf({**base, "model_type": "qwen3_moe"})
+    qwen_default = config_from_hf({**base, "model_type": "qwen3_moe"})
     assert (qwen_default.num_experts, qwen_default.experts_per_token) == (128, 8)
     assert not qwen_default.norm_topk_prob
     # Mixtral always renormalizes, whatever a stray key says.
-    mixtral = ModelConfig.from_hf({**base, "model_type": "mixtral", "norm_topk_prob": False})
+    mixtral = config_from_hf({**base, "model_type": "mixtral", "norm_topk_prob": False})
     assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.norm_topk_prob) == (8, 2, True)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        ModelConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4,
-                             "num_experts_per_tok": 5})
+        config_from_hf({**base, "model_type": "mixtral", "num_local_experts": 4,
+                        "num_experts_per_tok": 5})
 
 
 # --- the router ------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ def test_gather_path_work_does_not_grow_with_experts():
 
 # --- real shapes, traced without allocating ---------------------------------------------------
 
-# The published configs as `ModelConfig.from_hf` reads them (mistralai/Mixtral-8x7B-v0.1,
+# The published configs as `config_from_hf` reads them (mistralai/Mixtral-8x7B-v0.1,
 # Qwen/Qwen3-30B-A3B), with their published parameter counts.
 REAL_SHAPES = {
     "mixtral-8x7b": (46.70e9, ModelConfig(

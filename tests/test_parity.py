@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import jaxllm
+from jaxllm.families import config_from_hf
 from jaxllm.layers import dense as layers
 from jaxllm.model import transformer as model
 from jaxllm.model.config import ModelConfig, RopeConfig
@@ -68,7 +69,7 @@ def test_old_and_new_rope_keys_read_alike(tiny):
     old_rope = transformers.AutoConfig.from_pretrained(old.path).rope_parameters
     old_rope.pop("type")  # kept verbatim beside the standardized rope_type
     assert old_rope == transformers.AutoConfig.from_pretrained(new.path).rope_parameters
-    cfg_new, cfg_old = ModelConfig.from_hf(new.path), ModelConfig.from_hf(old.path)
+    cfg_new, cfg_old = config_from_hf(new.path), config_from_hf(old.path)
     assert cfg_old == cfg_new
     assert cfg_new.rope == RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0,
                                       original_max_position_embeddings=32)

@@ -12,13 +12,6 @@ import sys
 from pathlib import Path
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-
-
 def _seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -27,6 +20,7 @@ def _seconds(text: str) -> float:
 
 
 def add_serve(subparsers) -> None:
+    from jaxllm.checks import argtype
     from jaxllm.cli.common import add_model_args, positive_int
 
     p = subparsers.add_parser(
@@ -36,7 +30,7 @@ def add_serve(subparsers) -> None:
                     "(Prometheus). SIGTERM stops admitting and drains.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=argtype(0, 65535), default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--max-slots", type=positive_int, default=1, metavar="N",
                    help="requests generated at once (default: 1; the interim engine runs one at a time)")
     p.add_argument("--max-context", type=positive_int, default=None, metavar="N",

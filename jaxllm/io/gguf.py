@@ -36,9 +36,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from jaxllm import families
 from jaxllm.io.paths import default_model_path
-from jaxllm.model.config import END_OF_TURN_TOKENS, ModelConfig
 from jaxllm.io.reading import first_nonfinite
+from jaxllm.model.config import END_OF_TURN_TOKENS
+from jaxllm.model.params import named_specs
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 counted with 32-bit integers; llama.cpp dropped it in 2023
@@ -253,28 +255,6 @@ def gguf_stop_ids(path_or_header) -> tuple[int, ...]:
 
 # --- architectures ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Arch:
-    model_type: str
-    architectures: tuple[str, ...]
-    # llama.cpp permutes Q/K rows for archs whose converter derives from LlamaModel
-    permute_qk: bool
-    # where head_dim comes from, first present wins (else hidden_size // num_attention_heads);
-    # llama follows transformers' mapping (rope.dimension_count)
-    head_dim_keys: tuple[str, ...]
-
-
-_ARCHS = {
-    "llama": _Arch("llama", ("LlamaForCausalLM",), True,
-                   ("rope.dimension_count", "attention.key_length")),
-    "qwen2": _Arch("qwen2", ("Qwen2ForCausalLM",), False, ("attention.key_length",)),
-    "qwen3": _Arch("qwen3", ("Qwen3ForCausalLM",), False, ("attention.key_length",)),
-    "qwen3moe": _Arch("qwen3_moe", ("Qwen3MoeForCausalLM",), False, ("attention.key_length",)),
-}
-# A llama file with experts is Mixtral (llama.cpp converts it with the llama architecture).
-_MIXTRAL = _Arch("mixtral", ("MixtralForCausalLM",), True, ("rope.dimension_count", "attention.key_length"))
-SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
-
 # GGUF `{arch}.<key>` -> config.json key (transformers' GGUF_CONFIG_MAPPING for these archs)
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -289,76 +269,53 @@ _CONFIG_KEYS = {
 }
 _REQUIRED = ("embedding_length", "block_count", "attention.head_count")
 
-# per-layer GGUF leaf -> HF suffix under model.layers.{i}.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# GGUF tensor -> the spec table's role (jaxllm.families names its HF tensor per family)
+_GLOBAL_ROLES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_LAYER_ROLES = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
+                "attn_output": "o", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "ffn_gate": "gate",
+                "ffn_up": "up", "ffn_down": "down"}
 # MoE leaves: the router, and experts stacked on a leading E axis that HF stores one per expert
-_MOE_NAMES = {
-    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-                "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-                "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
-    "qwen3_moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-                  "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"},
-}
-# early Mixtral GGUFs wrote one tensor per expert: blk.{i}.ffn_gate.{e}.weight
-_MIXTRAL_SPLIT = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_MOE_ROLES = {"ffn_gate_inp": "router", "ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, one factor per frequency (config, not a weight)
 
 
-def _arch(header: GGUFHeader) -> _Arch:
+def _family(header: GGUFHeader) -> families.Family:
     arch = header.architecture
-    if arch not in _ARCHS:
-        raise ValueError(f"{header.path}: GGUF architecture {arch!r} is not supported by jaxllm "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if arch == "llama" and header.metadata.get("llama.expert_count", 0):
-        return _MIXTRAL
-    return _ARCHS[arch]
+    return families.gguf_family(arch, header.metadata.get(f"{arch}.expert_count", 0), header.path)
 
 
-def _hf_names(gguf_name: str, model_type: str, num_experts: int) -> list[str] | None:
+def _hf_names(gguf_name: str, family: families.Family, num_experts: int) -> list[str] | None:
     """The HF names a GGUF tensor holds: one, or one per expert for a stacked [E, ...] tensor."""
-    if gguf_name in _GLOBAL_NAMES:
-        return [_GLOBAL_NAMES[gguf_name]]
+    if gguf_name in _GLOBAL_ROLES:
+        return [family.tensor_name(_GLOBAL_ROLES[gguf_name])]
     parts = gguf_name.split(".")
     if len(parts) < 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[-1] not in ("weight", "bias"):
         return None
-    layer, leaf, kind = f"model.layers.{parts[1]}.", parts[2], parts[-1]
-    moe = _MOE_NAMES.get(model_type, {})
-    if len(parts) == 4 and leaf in moe:
-        if "{e}" not in moe[leaf]:
-            return [f"{layer}{moe[leaf]}.{kind}"]
-        return [f"{layer}{moe[leaf].format(e=e)}.{kind}" for e in range(num_experts)]
-    if len(parts) == 4 and leaf in _LAYER_NAMES:
-        return [f"{layer}{_LAYER_NAMES[leaf]}.{kind}"]
-    if len(parts) == 5 and model_type == "mixtral" and leaf in _MIXTRAL_SPLIT and parts[3].isdigit():
-        return [f"{layer}block_sparse_moe.experts.{parts[3]}.{_MIXTRAL_SPLIT[leaf]}.{kind}"]
-    return None
+    layer, leaf, bias = f"layers.{parts[1]}.", parts[2], parts[-1] == "bias"
+    if len(parts) == 4 and leaf in _MOE_ROLES and family.read_moe and not bias:
+        if leaf == "ffn_gate_inp":
+            keys = [layer + "router"]
+        else:
+            keys = [f"{layer}experts.{e}.{_MOE_ROLES[leaf]}" for e in range(num_experts)]
+    elif len(parts) == 4 and leaf in _LAYER_ROLES:
+        keys = [layer + _LAYER_ROLES[leaf] + ("_bias" if bias else "")]
+    elif (len(parts) == 5 and family.gguf_split_experts and leaf in ("ffn_gate", "ffn_up", "ffn_down")
+          and parts[3].isdigit() and not bias):
+        keys = [f"{layer}experts.{parts[3]}.{_LAYER_ROLES[leaf]}"]
+    else:
+        return None
+    names = [family.tensor_name(k) for k in keys]
+    return None if None in names else names
 
 
 def gguf_to_hf_config(path_or_header) -> dict:
     """The `config.json` dict of the model in a GGUF file, keyed and valued as transformers maps it."""
     header = _header(path_or_header)
-    arch, meta, prefix = _arch(header), header.metadata, header.architecture + "."
+    family, meta, prefix = _family(header), header.metadata, header.architecture + "."
     missing = [prefix + k for k in _REQUIRED if prefix + k not in meta]
     if missing:
         raise ValueError(f"{header.path}: GGUF metadata lacks {', '.join(missing)}")
-    config = {"model_type": arch.model_type, "architectures": list(arch.architectures),
+    config = {"model_type": family.model_type, "architectures": list(family.architectures),
               "hidden_act": "silu"}
     for key, hf_key in _CONFIG_KEYS.items():
         if prefix + key in meta:
@@ -390,9 +347,9 @@ def gguf_to_hf_config(path_or_header) -> dict:
             raise ValueError(f"{header.path}: GGUF metadata states no vocab size and has no tokens")
         config["vocab_size"] = len(tokens)
     config["head_dim"] = next(
-        (meta[prefix + k] for k in arch.head_dim_keys if prefix + k in meta),
+        (meta[prefix + k] for k in family.head_dim_keys if prefix + k in meta),
         config["hidden_size"] // config["num_attention_heads"])
-    _moe_config(header, arch, config)
+    _moe_config(header, family, config)
     config["tie_word_embeddings"] = "output.weight" not in header.tensors
     config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -403,17 +360,17 @@ def gguf_to_hf_config(path_or_header) -> dict:
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     try:  # every other value checked where the file can be named
-        ModelConfig.from_hf(config)
+        families.config_from_hf(config)
     except ValueError as e:
         raise ValueError(f"{header.path}: {e}") from None
     return config
 
 
-def _moe_config(header: GGUFHeader, arch: _Arch, config: dict) -> None:
+def _moe_config(header: GGUFHeader, family: families.Family, config: dict) -> None:
     """Expert counts under the keys the HF config of the family uses."""
     meta, prefix = header.metadata, header.architecture + "."
     experts = meta.get(prefix + "expert_count", 0)
-    if arch.model_type not in _MOE_NAMES:
+    if family.gguf_moe is None:
         if experts:
             raise ValueError(f"{header.path}: a {header.architecture!r} file with experts is not supported")
         if "intermediate_size" not in config:
@@ -421,16 +378,7 @@ def _moe_config(header: GGUFHeader, arch: _Arch, config: dict) -> None:
         return
     if not experts or prefix + "expert_used_count" not in meta:
         raise ValueError(f"{header.path}: GGUF metadata lacks {prefix}expert_count/expert_used_count")
-    if arch.model_type == "mixtral":
-        # Mixtral's intermediate_size is the width of one expert
-        config.update(num_local_experts=experts, num_experts_per_tok=meta[prefix + "expert_used_count"])
-        return
-    ffn = meta.get(prefix + "expert_feed_forward_length")
-    if ffn is None:
-        raise ValueError(f"{header.path}: GGUF metadata lacks {prefix}expert_feed_forward_length")
-    # llama.cpp's qwen3moe always renormalizes the top-k weights (transformers' GGUF default too)
-    config.update(num_experts=experts, num_experts_per_tok=meta[prefix + "expert_used_count"],
-                  moe_intermediate_size=ffn, norm_topk_prob=True)
+    config.update(family.gguf_moe(meta, prefix, experts, header.path))
 
 
 def _rope_scaling(header: GGUFHeader, config: dict) -> dict | None:
@@ -531,28 +479,6 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     head_dim = w.shape[0] // n_heads
     return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
-
-
-def _required_names(config: dict, model_type: str) -> list[str]:
-    """The HF tensors every model of this config has (optional biases aside)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config["tie_word_embeddings"]:
-        names.append("lm_head.weight")
-    leaves = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-              "self_attn.v_proj", "self_attn.o_proj"]
-    if model_type in ("qwen3", "qwen3_moe"):
-        leaves += ["self_attn.q_norm", "self_attn.k_norm"]
-    if model_type in _MOE_NAMES:
-        experts = config.get("num_local_experts", config.get("num_experts", 0))
-        leaves += [leaf.format(e=e) for leaf in _MOE_NAMES[model_type].values()
-                   for e in (range(experts) if "{e}" in leaf else [0])]
-    else:
-        leaves += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    names += [f"model.layers.{i}.{leaf}.weight" for i in range(config["num_hidden_layers"]) for leaf in leaves]
-    if model_type == "qwen2":
-        names += [f"model.layers.{i}.self_attn.{x}_proj.bias" for i in range(config["num_hidden_layers"])
-                  for x in "qkv"]
-    return names
 
 
 @dataclass(frozen=True)
@@ -677,21 +603,22 @@ def gguf_source(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, GGUFSo
     a file this returns for loads; the tensors are read when `source` is."""
     header = read_gguf_header(path)
     config = gguf_to_hf_config(header)
-    arch = _arch(header)
+    family = _family(header)
     num_experts = config.get("num_local_experts", config.get("num_experts", 0))
     layers = config["num_hidden_layers"]
-    parts = {}
+    parts, blocks = {}, set()
     for gguf_name, info in header.tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue  # folded into config["rope_scaling"]
-        hf_names = _hf_names(gguf_name, arch.model_type, num_experts)
+        hf_names = _hf_names(gguf_name, family, num_experts)
         if hf_names is None:
             raise ValueError(f"{header.path}: unexpected tensor {gguf_name!r} for GGUF architecture "
                              f"{header.architecture!r} (a variant jaxllm does not support)")
         if len(hf_names) > 1 and (len(info.shape) != 3 or info.shape[0] != len(hf_names)):
             raise ValueError(f"{header.path}: tensor {gguf_name!r} has shape {info.shape}, expected "
                              f"[{len(hf_names)} experts, out, in]")
-        if hf_names[0].startswith("model.layers.") and int(hf_names[0].split(".")[2]) >= layers:
+        block = int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else None
+        if block is not None and block >= layers:
             raise ValueError(f"{header.path}: tensor {gguf_name!r} is beyond block_count={layers}")
         if not dequantizable(info.ggml_type):
             raise ValueError(f"{header.path}: tensor {gguf_name!r} is stored as "
@@ -699,7 +626,7 @@ def gguf_source(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, GGUFSo
                              "cannot dequantize")
         heads = (config["num_attention_heads"] if ".attn_q." in gguf_name
                  else config["num_key_value_heads"] if ".attn_k." in gguf_name else None)
-        if arch.permute_qk and heads is not None:
+        if family.permute_qk and heads is not None:
             if info.shape[0] != heads * config["head_dim"] or config["head_dim"] % 2:
                 raise ValueError(f"{header.path}: tensor {gguf_name!r} has {info.shape[0]} rows, "
                                  f"expected {heads} heads x head_dim {config['head_dim']} (even)")
@@ -707,12 +634,16 @@ def gguf_source(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, GGUFSo
             heads = None
         for e, hf_name in enumerate(hf_names):
             parts[hf_name] = _Part(info, e if len(hf_names) > 1 else None, heads)
-
-    blocks = {n.split(".")[2] for n in parts if n.startswith("model.layers.")}
+        blocks.add(block)
+    blocks.discard(None)
     if layers > len(blocks):  # found before a name is made for each block it claims
         raise ValueError(f"{header.path}: GGUF metadata gives block_count={layers}, but the file holds "
                          f"tensors of {len(blocks)} blocks")
-    missing = [n for n in _required_names(config, arch.model_type) if n not in parts]
+    # Every tensor of the table but the optional biases (Qwen2's q/k/v biases are not optional)
+    cfg = families.config_from_hf(config)  # checked in gguf_to_hf_config
+    required = [family.tensor_name(key) for _, spec in named_specs(cfg) for key, _ in spec.sources
+                if not key.endswith("_bias") or family.qkv_bias and not key.endswith("o_bias")]
+    missing = [name for name in required if name not in parts]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"{header.path}: the GGUF file lacks tensors for {', '.join(missing[:3])}{more}")

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from jaxllm import families
 from jaxllm.model.config import ModelConfig, read_json_object
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -26,7 +27,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def read_config(path: Path) -> ModelConfig:
     """ModelConfig from config.json, with stop ids from generation_config.json when present."""
-    cfg = ModelConfig.from_hf(path)  # the directory: a config.json that is itself one is named as such
+    cfg = families.config_from_hf(path)  # the directory: a config.json that is itself one is named as such
     gen = path / "generation_config.json"
     if gen.exists():
         eos = read_json_object(gen).get("eos_token_id")

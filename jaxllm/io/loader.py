@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxllm import families
 from jaxllm.env import env_number
 from jaxllm.io import checkpoint, hf, paths, reading
 from jaxllm.io.reading import from_hf_tensors
@@ -174,7 +175,7 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
         return _load_hf(cached, dtype, path.name, shard, quant)
     hf_config, source = gguf_source(path, dtype)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = families.config_from_hf(hf_config)
     # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
     stops = gguf_stop_ids(path)
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + stops)))

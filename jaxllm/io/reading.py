@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxllm import families
 from jaxllm.model.config import ModelConfig
 from jaxllm.model.params import ParamSpec, Params, _assemble, named_specs
 from jaxllm.model.sharding import _axes_by_path, _spec, plan, to_layout
@@ -61,7 +62,9 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
             raise ValueError(f"the config has {count} {what}, but the checkpoint holds tensors of "
                              f"{len(held)} {what} only")
     jobs = named_specs(cfg)
-    expected = {name: shape for _, s in jobs for name, shape in s.hf}
+    family = families.of(cfg)
+    hf = {path: family.hf_sources(s) for path, s in jobs}  # (HF name, shape) of each source tensor
+    expected = {name: shape for path, _ in jobs for name, shape in hf[path]}
     # Checkpoints often carry the rotary inv_freq buffer; it is derived from the config instead.
     present = {n for n in source.shapes if not n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
@@ -79,11 +82,11 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
             raise ValueError(f"tensor {name} has shape {tuple(source.shapes[name])}, expected "
                              f"{shape} from the config")
     place = place or (lambda path, x: jnp.asarray(x, dtype))
-    host_dtype = {path: np.result_type(*(source.dtype(name) for name, _ in s.hf)) for path, s in jobs}
+    host_dtype = {path: np.result_type(*(source.dtype(name) for name, _ in hf[path])) for path, s in jobs}
 
     def read(path: str, s: ParamSpec) -> np.ndarray:
         out = np.empty(s.shape, host_dtype[path])
-        parts = list(zip(s.hf, s.parts(out), strict=True))
+        parts = list(zip(hf[path], s.parts(out), strict=True))
         for (name, _), part in parts:
             source.read_into(name, part)
         if first_nonfinite(out, dtype) is not None:  # the source tensor and index named: a rare path
@@ -104,14 +107,14 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
     def put(path: str, s: ParamSpec, x: np.ndarray):
         out = place(path, x)
         if progress:
-            progress(sum(int(np.prod(shape)) for _, shape in s.hf))
+            progress(sum(int(np.prod(shape)) for _, shape in s.sources))
         return out
     if threads <= 1:
         return _assemble(cfg, lambda path, s: put(path, s, read(path, s)))
     size = {path: int(np.prod(s.shape)) * host_dtype[path].itemsize for path, s in jobs}
     # Largest first: the last parameters read are small, so little is left to place once the
     # disk is done (the 8B shape's 1 GB embed and lm_head, last, took 0.5-0.7 s each after it).
-    jobs.sort(key=lambda job: (-size[job[0]], source.position(job[1].hf[0][0])))
+    jobs.sort(key=lambda job: (-size[job[0]], source.position(hf[job[0]][0][0])))
     placed = _read_then_place(jobs, read, put, size, threads, buffer_bytes)
     return _assemble(cfg, lambda path, s: placed[path])
 

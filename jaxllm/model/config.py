@@ -1,7 +1,7 @@
 """The model configuration: one frozen, hashable dataclass for every supported family.
 
 Family differences are explicit fields (`qkv_bias`, `qk_norm`, `sliding_window`, `num_experts`,
-rope scaling), read from a Hugging Face `config.json` by `ModelConfig.from_hf`. The config is a
+rope scaling); jaxllm.families maps each family's Hugging Face `config.json` onto them. The config is a
 static jit argument and the static metadata of `Params`, so it must stay hashable.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxllm.checks import FLOAT32_MAX, INT32_MAX, finite, flag, whole
 
-# model_type -> the family features transformers gives it. Anything else is refused by name.
+# The model types jaxllm.families knows (one Family each). Anything else is refused by name.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 # Far past any published model (126 layers, 512 experts): a damaged count is refused before a
 # name or flag is made for each layer or expert, which would take minutes or all the memory.
@@ -173,69 +173,6 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and bool(self.moe_layers) and self.moe_layers[layer]
 
-    @classmethod
-    def from_hf(cls, source: str | Path | dict) -> "ModelConfig":
-        """Read a Hugging Face config.json (path, directory or parsed dict)."""
-        if isinstance(source, dict):
-            return _from_hf_dict(source)
-        path = Path(source)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise ValueError(f"{path} not found: a Hugging Face checkpoint needs config.json")
-        c = read_json_object(path)
-        try:
-            return _from_hf_dict(c)
-        except ValueError as e:  # the one place a malformed config.json gets its file named
-            raise ValueError(f"{path}: {e}") from None
-
-    def to_hf(self) -> dict:
-        """A Hugging Face config.json (as a dict) that `from_hf` reads back as this config and
-        transformers loads as the same model (random checkpoints of a preset's shape). Mixtral's
-        dense `ffn_size`, which no layer uses, is written as its experts' F, as transformers has it."""
-        r = self.rope
-        rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
-        if r.rope_type != "default":
-            rope["factor"] = r.factor
-        if r.original_max_position_embeddings is not None:
-            rope["original_max_position_embeddings"] = r.original_max_position_embeddings
-        if r.rope_type == "llama3":
-            rope.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
-        if r.rope_type == "yarn":
-            rope.update(attention_factor=r.attention_factor, beta_fast=r.beta_fast,
-                        beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim,
-                        truncate=r.truncate)
-        c = dict(model_type=self.model_type, hidden_act="silu", vocab_size=self.vocab_size,
-                 hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-                 num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                 head_dim=self.head_dim, intermediate_size=self.ffn_size,
-                 max_position_embeddings=self.max_position_embeddings,
-                 rms_norm_eps=self.rms_norm_eps, rope_theta=r.theta, rope_parameters=rope,
-                 partial_rotary_factor=r.partial_rotary_factor,
-                 tie_word_embeddings=self.tie_word_embeddings, bos_token_id=self.bos_token_id,
-                 eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_token_id)
-        if self.model_type in ("llama", "mistral"):
-            if self.qkv_bias != self.o_bias:
-                raise ValueError(f"{self.model_type} has one attention_bias for q/k/v and o")
-            c["attention_bias"] = self.qkv_bias
-        elif self.qkv_bias != (self.model_type == "qwen2") or self.o_bias:
-            raise ValueError(f"{self.model_type} cannot have qkv_bias={self.qkv_bias}, "
-                             f"o_bias={self.o_bias}")
-        c["sliding_window"] = self.sliding_window  # null, not absent: Mistral's default is 4096
-        if self.sliding_window is not None:
-            c["use_sliding_window"] = True
-            c["layer_types"] = ["sliding_attention" if self.is_sliding(i) else "full_attention"
-                                for i in range(self.num_layers)]
-        if self.model_type == "mixtral":
-            c.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
-                     intermediate_size=self.moe_ffn_size)
-        elif self.model_type == "qwen3_moe":
-            c.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
-                     moe_intermediate_size=self.moe_ffn_size, norm_topk_prob=self.norm_topk_prob,
-                     decoder_sparse_step=1,
-                     mlp_only_layers=[i for i in range(self.num_layers) if not self.is_moe(i)])
-        return c
-
 
 def read_json_object(path: Path) -> dict:
     """A JSON file whose top level is an object, else a ValueError naming the file."""
@@ -250,165 +187,6 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(d, dict):
         raise ValueError(f"{path} is malformed: its top level is {type(d).__name__}, not an object")
     return d
-
-
-_REQUIRED = object()
-
-
-def _int(c: dict, key: str, default=_REQUIRED, least: int | None = 1, most: int = INT32_MAX) -> int:
-    """config key `key` as an int in [least, most]; absent or null: `default` (no default: an error)."""
-    value = c.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"config.json lacks required key {key!r}")
-        return default
-    return whole(key, value, least, most)
-
-
-def _float(c: dict, key: str, default: float, **bounds) -> float:
-    value = c.get(key)
-    return default if value is None else finite(key, value, **bounds)
-
-
-def _bool(c: dict, key: str, default: bool) -> bool:
-    value = c.get(key)
-    return default if value is None else flag(key, value)
-
-
-def _int_list(c: dict, key: str, least: int | None = None) -> list[int]:
-    """An int or a list of ints (e.g. eos_token_id), as a list; absent or null: []."""
-    value = c.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        value = [value]
-    return [whole(key, v, least) for v in value]
-
-
-def _from_hf_dict(c: dict) -> ModelConfig:
-    model_type = c.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        archs = c.get("architectures")
-        raise ValueError(
-            f"unknown architecture: model_type {model_type!r} (architectures {archs}); "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    num_layers = _int(c, "num_hidden_layers", most=MAX_LAYERS)  # before any per-layer tuple is made
-    num_heads = _int(c, "num_attention_heads")
-    hidden = _int(c, "hidden_size")
-    num_kv = _int(c, "num_key_value_heads", num_heads)
-    head_dim = _int(c, "head_dim", hidden // num_heads)
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r}: only silu is implemented")
-    if _bool(c, "mlp_bias", False):
-        raise ValueError("mlp_bias=True is not supported")
-
-    # Sliding windows: Mistral slides on every layer when sliding_window is set; Qwen2/3 only with
-    # use_sliding_window, on the layers listed in layer_types (or from max_window_layers on);
-    # Qwen3-MoE with use_sliding_window on every layer (transformers reads no max_window_layers for it).
-    window = None
-    sliding_layers: tuple[bool, ...] = ()
-    if model_type in ("llama", "mixtral", "mistral") or _bool(c, "use_sliding_window", False):
-        window = _int(c, "sliding_window", None)
-    if window is not None:
-        layer_types = c.get("layer_types")
-        if layer_types:
-            if not (isinstance(layer_types, list) and len(layer_types) == num_layers
-                    and all(t in ("sliding_attention", "full_attention") for t in layer_types)):
-                raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' for "
-                                 f"each of the {num_layers} layers, not {layer_types!r}")
-            sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
-        elif model_type in ("qwen2", "qwen3"):
-            first = _int(c, "max_window_layers", num_layers, least=0)
-            sliding_layers = tuple(i >= first for i in range(num_layers))
-        else:
-            sliding_layers = (True,) * num_layers
-
-    # Absent keys take transformers' config defaults. transformers 5 writes Qwen3-MoE's expert count
-    # as num_local_experts (an attribute_map alias); published checkpoints spell it num_experts.
-    num_experts, per_token, moe_ffn, moe_layers, norm_topk = 0, 0, 0, (), True
-    if model_type == "mixtral":
-        num_experts = _int(c, "num_local_experts", 8, most=MAX_EXPERTS)
-        per_token = _int(c, "num_experts_per_tok", 2)
-        moe_ffn = _int(c, "intermediate_size")
-        moe_layers = (True,) * num_layers
-        norm_topk = True  # Mixtral's router always renormalizes its top-k; it has no such key
-    elif model_type == "qwen3_moe":
-        experts_key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
-        num_experts = _int(c, experts_key, 128, least=0, most=MAX_EXPERTS)
-        per_token = _int(c, "num_experts_per_tok", 8)
-        moe_ffn = _int(c, "moe_intermediate_size", 768)
-        norm_topk = _bool(c, "norm_topk_prob", False)
-        step = _int(c, "decoder_sparse_step", 1)
-        dense = c.get("mlp_only_layers") or []
-        if not isinstance(dense, list):
-            raise ValueError(f"mlp_only_layers must be a list of layer numbers, not {dense!r}")
-        dense = {whole("mlp_only_layers", i, 0) for i in dense}
-        moe_layers = tuple(
-            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
-
-    attention_bias = _bool(c, "attention_bias", False)
-    bos = _int_list(c, "bos_token_id")
-    pad = _int_list(c, "pad_token_id")
-    if len(bos) > 1 or len(pad) > 1:
-        raise ValueError(f"bos_token_id and pad_token_id must be one integer each, not "
-                         f"{c.get('bos_token_id')!r} and {c.get('pad_token_id')!r}")
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=_int(c, "vocab_size"),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv,
-        head_dim=head_dim,
-        ffn_size=_int(c, "intermediate_size", 0, least=0),
-        max_position_embeddings=_int(c, "max_position_embeddings", 2048),
-        rms_norm_eps=_float(c, "rms_norm_eps", 1e-6, least=0.0, most=FLOAT32_MAX),
-        rope=_rope_from_hf(c),
-        tie_word_embeddings=_bool(c, "tie_word_embeddings", False),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type in ("llama", "mistral") and attention_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        sliding_window=window,
-        sliding_layers=sliding_layers,
-        num_experts=num_experts,
-        experts_per_token=per_token,
-        moe_ffn_size=moe_ffn,
-        norm_topk_prob=norm_topk,
-        moe_layers=moe_layers,
-        bos_token_id=bos[0] if bos else None,
-        eos_token_ids=tuple(_int_list(c, "eos_token_id")),
-        pad_token_id=pad[0] if pad else None,
-    )
-
-
-def _rope_from_hf(c: dict) -> RopeConfig:
-    """Reads transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope_parameters/rope_scaling must be an object, not {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))  # RopeConfig checks it
-    # a key inside rope_parameters wins over the same key at the top level
-    merged = {**c, **params}
-    original = _int(merged, "original_max_position_embeddings", None)
-    if rope_type in ("llama3", "yarn") and original is None:
-        original = _int(c, "max_position_embeddings", None)
-    factor = _float(params, "factor", None, above=0.0)
-    if factor is None:  # transformers' yarn without a factor (DeepSeek-V3 style): the context ratio
-        factor = _int(c, "max_position_embeddings", original) / original if rope_type == "yarn" and original else 1.0
-    optional = {k: _float(params, k, None) for k in ("attention_factor", "mscale", "mscale_all_dim")}
-    return RopeConfig(
-        theta=_float(merged, "rope_theta", 10000.0),
-        rope_type=rope_type,
-        factor=factor,
-        partial_rotary_factor=_float(merged, "partial_rotary_factor", 1.0),
-        original_max_position_embeddings=original,
-        low_freq_factor=_float(params, "low_freq_factor", 1.0),
-        high_freq_factor=_float(params, "high_freq_factor", 4.0),
-        beta_fast=_float(params, "beta_fast", 32.0),
-        beta_slow=_float(params, "beta_slow", 1.0),
-        truncate=_bool(params, "truncate", True),
-        **optional,
-    )
 
 
 def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[np.ndarray, float]:

@@ -1,7 +1,8 @@
 """Parameter pytrees and the one table that declares every parameter.
 
 `layer_specs` / `top_specs` declare each parameter once: its shape, logical axes (for sharding),
-how it is initialised, and which Hugging Face tensors it is converted from. Random init,
+how it is initialised, and the source tensors it is converted from, by role ("layers.3.q";
+jaxllm.families names the HF tensor of each role per family). Random init,
 abstract shapes, shardings and checkpoint conversion are all derived from that table.
 
 Layout, converted once at load time so the decode step needs no transposes. Every matrix keeps
@@ -69,13 +70,14 @@ class Params:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One parameter: shape, logical axes, init, and its source tensors in a HF checkpoint."""
+    """One parameter: shape, logical axes, init, and its source tensors by role."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names: "vocab", "heads_kv", "ffn", "experts"
     init: str  # "normal" | "ones" | "zeros"
-    hf: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of each source tensor
-    # The parameter's array -> one view of it per source tensor (in hf order), where that
+    # (role key, shape) of each source tensor: "embed", "layers.{i}.q", "layers.{i}.experts.{e}.up"
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    # The parameter's array -> one view of it per source tensor (in sources order), where that
     # tensor's values land in C order: loading reads each source straight into its view.
     parts: Callable[[np.ndarray], tuple[np.ndarray, ...]]
 
@@ -92,54 +94,47 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     """The parameters of layer i (MoE layers and family switches change the set)."""
     K, G, H, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.hidden_size
     N, F = cfg.num_heads, cfg.ffn_size
-    p = f"model.layers.{i}."
+    p = f"layers.{i}."
 
     def qkv_parts(out):  # [K, G+2, H, (D)]: q [N*H, (D)] as [K, G, H], then k and v [K*H, (D)]
         return out[:, :G], out[:, G:G + 1], out[:, G + 1:]
     specs = {
-        "attn_norm": ParamSpec((D,), (None,), "ones", ((p + "input_layernorm.weight", (D,)),), _whole),
+        "attn_norm": ParamSpec((D,), (None,), "ones", ((p + "attn_norm", (D,)),), _whole),
         "wqkv": ParamSpec(
             (K, G + 2, H, D), ("heads_kv", None, None, None), "normal",
-            ((p + "self_attn.q_proj.weight", (N * H, D)), (p + "self_attn.k_proj.weight", (K * H, D)),
-             (p + "self_attn.v_proj.weight", (K * H, D))), qkv_parts),
+            ((p + "q", (N * H, D)), (p + "k", (K * H, D)), (p + "v", (K * H, D))), qkv_parts),
         "wo": ParamSpec((D, K, G, H), (None, "heads_kv", None, None), "normal",
-                        ((p + "self_attn.o_proj.weight", (D, N * H)),),
+                        ((p + "o", (D, N * H)),),
                         _whole),
         "mlp_norm": ParamSpec((D,), (None,), "ones",
-                              ((p + "post_attention_layernorm.weight", (D,)),), _whole),
+                              ((p + "mlp_norm", (D,)),), _whole),
     }
     if cfg.qkv_bias:
         specs["bqkv"] = ParamSpec(
             (K, G + 2, H), ("heads_kv", None, None), "zeros",
-            ((p + "self_attn.q_proj.bias", (N * H,)), (p + "self_attn.k_proj.bias", (K * H,)),
-             (p + "self_attn.v_proj.bias", (K * H,))), qkv_parts)
+            ((p + "q_bias", (N * H,)), (p + "k_bias", (K * H,)), (p + "v_bias", (K * H,))), qkv_parts)
     if cfg.o_bias:
-        specs["bo"] = ParamSpec((D,), (None,), "zeros", ((p + "self_attn.o_proj.bias", (D,)),), _whole)
+        specs["bo"] = ParamSpec((D,), (None,), "zeros", ((p + "o_bias", (D,)),), _whole)
     if cfg.qk_norm:
-        specs["q_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.q_norm.weight", (H,)),), _whole)
-        specs["k_norm"] = ParamSpec((H,), (None,), "ones", ((p + "self_attn.k_norm.weight", (H,)),), _whole)
+        specs["q_norm"] = ParamSpec((H,), (None,), "ones", ((p + "q_norm", (H,)),), _whole)
+        specs["k_norm"] = ParamSpec((H,), (None,), "ones", ((p + "k_norm", (H,)),), _whole)
     if cfg.is_moe(i):
         specs.update(moe_specs(cfg, i))
     else:
         specs["w_gate_up"] = ParamSpec(
             (2, F, D), (None, "ffn", None), "normal",
-            ((p + "mlp.gate_proj.weight", (F, D)), (p + "mlp.up_proj.weight", (F, D))),
+            ((p + "gate", (F, D)), (p + "up", (F, D))),
             _leading)
         specs["w_down"] = ParamSpec((D, F), (None, "ffn"), "normal",
-                                    ((p + "mlp.down_proj.weight", (D, F)),), _whole)
+                                    ((p + "down", (D, F)),), _whole)
     return specs
 
 
 def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
-    """Router and stacked experts of a sparse layer, from per-expert HF tensors."""
+    """Router and stacked experts of a sparse layer, from per-expert source tensors."""
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size
-    p = f"model.layers.{i}."
-    if cfg.model_type == "mixtral":
-        router = p + "block_sparse_moe.gate.weight"
-        gate, up, down = (p + f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2"))
-    else:
-        router = p + "mlp.gate.weight"
-        gate, up, down = (p + f"mlp.experts.{{e}}.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj"))
+    router = f"layers.{i}.router"
+    gate, up, down = (f"layers.{i}.experts.{{e}}.{w}" for w in ("gate", "up", "down"))
     gate_up_sources = tuple((n.format(e=e), (F, D)) for e in range(E) for n in (gate, up))
     return {
         "router": ParamSpec((E, D), (None, None), "normal", ((router, (E, D)),), _whole),
@@ -155,12 +150,12 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
 def top_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     V, D = cfg.vocab_size, cfg.hidden_size
     specs = {
-        "embed": ParamSpec((V, D), ("vocab", None), "normal", (("model.embed_tokens.weight", (V, D)),),
+        "embed": ParamSpec((V, D), ("vocab", None), "normal", (("embed", (V, D)),),
                            _whole),
-        "final_norm": ParamSpec((D,), (None,), "ones", (("model.norm.weight", (D,)),), _whole),
+        "final_norm": ParamSpec((D,), (None,), "ones", (("final_norm", (D,)),), _whole),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((V, D), ("vocab", None), "normal", (("lm_head.weight", (V, D)),),
+        specs["lm_head"] = ParamSpec((V, D), ("vocab", None), "normal", (("lm_head", (V, D)),),
                                      _whole)
     return specs
 

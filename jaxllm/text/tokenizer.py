@@ -30,9 +30,11 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
+from jaxllm.checks import flag
 from jaxllm.io.paths import default_model_path
 from jaxllm.model.config import END_OF_TURN_TOKENS
 from jaxllm.text.chat_template import ChatTemplateError, render_chat_template
+from jaxllm.text.detokenize import Detokenizer
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -115,7 +117,7 @@ class Tokenizer:
         `add_special_tokens` adds what the tokenizer's post-processor adds (BOS, for most llamas)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        add_special_tokens = _check_flag(add_special_tokens, "add_special_tokens")
+        add_special_tokens = flag("add_special_tokens", add_special_tokens, kind_error=TypeError)
         _check_utf8(text, "the text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -138,7 +140,7 @@ class Tokenizer:
                 or getattr(ids, "ndim", None) == 0):
             one = "; for one token, decode([token_id])" if _is_integer(ids) else ""
             raise TypeError(f"decode takes a list of token ids, got {_described(ids)}{one}")
-        skip_special_tokens = _check_flag(skip_special_tokens, "skip_special_tokens")
+        skip_special_tokens = flag("skip_special_tokens", skip_special_tokens, kind_error=TypeError)
         return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def stream(self, skip_special_tokens: bool = False) -> "TextStream":
@@ -161,7 +163,7 @@ class Tokenizer:
         template = self.chat_template if chat_template is None else chat_template
         if template is None:
             raise ValueError(f"{self.name} has no chat template; pass chat_template= or encode raw text")
-        add_generation_prompt = _check_flag(add_generation_prompt, "add_generation_prompt")
+        add_generation_prompt = flag("add_generation_prompt", add_generation_prompt, kind_error=TypeError)
         messages = _conversation(messages)  # a list once: an iterator would be spent by the checks
         for n, message in enumerate(messages):
             if isinstance(message.get("content"), str):
@@ -191,11 +193,6 @@ def _described(value) -> str:
     return "None" if value is None else f"{type(value).__name__} {value!r:.80}"
 
 
-def _check_flag(value, name: str) -> bool:
-    """A flag as a bool: True or False (numpy's too); a string "no" would count as true."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {_described(value)}")
-    return bool(value)
 
 
 def _conversation(messages) -> list[Mapping]:
@@ -224,43 +221,18 @@ def _check_utf8(text: str, what: str) -> None:
         raise ValueError(f"{what} is not valid UTF-8: {found} at character {e.start}") from None
 
 
-class TextStream:
-    """Turns token ids into text one id at a time, emitting only complete characters.
-
-    Each push decodes a short window: the ids already emitted since the previous emission (for
-    context: byte-level pieces and SentencePiece's leading-space rule depend on their neighbours)
-    plus the new ones; the text beyond the window's known prefix is new. While it ends in U+FFFD
-    the last token ended inside a UTF-8 character, so it is held back until the rest arrives.
-    The pieces joined equal `decode(all ids)` (same scheme as text-generation-inference's).
-    """
+class TextStream(Detokenizer):
+    """Turns token ids into text one id at a time, emitting only complete characters (see
+    `Detokenizer`): the pieces joined equal `decode(all ids)`. Each id is checked first."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
-        skip_special_tokens = _check_flag(skip_special_tokens, "skip_special_tokens")
+        super().__init__(tokenizer, flag("skip_special_tokens", skip_special_tokens, kind_error=TypeError))
         self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: the ids of the last emission, kept as context
-        self._read = 0  # ids before this are emitted
-
-    def _new_text(self) -> str:
-        decode = self._tok.decode
-        prefix_text = decode(self._ids[self._prefix:self._read], self._skip)
-        text = decode(self._ids[self._prefix:], self._skip)
-        return text[len(prefix_text):]
 
     def push(self, token_id: int) -> str:
-        self._ids.extend(self._tok._check_ids([token_id]))
-        piece = self._new_text()
-        if not piece or piece.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return piece
-
-    def flush(self) -> str:
-        """Whatever is held back (an incomplete character at the very end decodes to U+FFFD)."""
-        piece = self._new_text()
-        self._prefix = self._read = len(self._ids)
-        return piece
+        """The text this id completes ('' while a character is unfinished)."""
+        (token_id,) = self._tok._check_ids([token_id])
+        return super().push(token_id)
 
 
 # --- building from a GGUF file -----------------------------------------------------------------

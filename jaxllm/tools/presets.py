@@ -1,6 +1,6 @@
 """Model shapes of real checkpoints, usable with random weights (benchmarks, roofline, eval_shape).
 
-Each preset is the `ModelConfig` that `ModelConfig.from_hf` builds from the checkpoint's
+Each preset is the `ModelConfig` that `families.config_from_hf` builds from the checkpoint's
 config.json, written out so no download is needed. `random_params` fills such a config with random
 weights directly on the device, one bounded piece at a time, so an 8B model is never staged
 through the host and the device never holds more than the weights plus one piece in float32.
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import families
 from jaxllm.io import checkpoint
 from jaxllm.io.paths import make_empty_dir
 from jaxllm.layers.quant import QUANT_MODES, QuantizedWeight, quantize
@@ -37,7 +38,7 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=16, ffn_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), bos_token_id=1, eos_token_ids=(2,)),
     # Test-sized mixture of experts (4 experts, top-2), for the bench's MoE and expert-parallel paths.
-    # ffn_size is the experts' F, as `ModelConfig.from_hf` reads a Mixtral config.json.
+    # ffn_size is the experts' F, as `families.config_from_hf` reads a Mixtral config.json.
     "tiny-moe": ModelConfig(
         model_type="mixtral", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, ffn_size=96, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -104,9 +105,9 @@ def get_config(name_or_path: str | os.PathLike) -> ModelConfig:
         return checkpoint.read_config(path)
     if path.is_file() and path.suffix == ".gguf":
         from jaxllm.io.gguf import gguf_to_hf_config  # lazy: the gguf package is slow to import
-        return ModelConfig.from_hf(gguf_to_hf_config(path))
+        return families.config_from_hf(gguf_to_hf_config(path))
     if path.is_dir() or path.name == "config.json":
-        return ModelConfig.from_hf(path)
+        return families.config_from_hf(path)
     raise ValueError(f"{str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
                      f"(a Hugging Face directory with config.json, a `jaxllm convert` directory or a "
                      f".gguf file)")
@@ -227,7 +228,7 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
                      dtype=jnp.bfloat16, scale: float = 0.02,
                      shard_bytes: int = SHARD_BYTES) -> list[Path]:
     """Write a Hugging Face checkpoint directory of the config's shapes with random weights:
-    config.json (`ModelConfig.to_hf`) and safetensors files of at most `shard_bytes` each, with
+    config.json (`families.config_to_hf`) and safetensors files of at most `shard_bytes` each, with
     their index where there are several, as save_pretrained lays them out. Norm weights are ones,
     biases zeros, every other tensor normal(0, scale) values: a block of 2^22 drawn once, each
     tensor a copy of it from a random offset, repeated, rather than every value drawn (an 8B
@@ -243,8 +244,9 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
     rng = np.random.default_rng(seed)
     block = (scale * rng.standard_normal((1 << 22) + (1 << 20), np.float32)).astype(dtype)
     shards, shard, size = [], {}, 0
+    family = families.of(cfg)
     for _, spec in named_specs(cfg):
-        for name, shape in spec.hf:
+        for name, shape in family.hf_sources(spec):
             if spec.init == "normal":
                 start = int(rng.integers(1 << 20))
                 tensor = np.resize(block[start:], shape)
@@ -264,6 +266,6 @@ def write_checkpoint(cfg: ModelConfig, path: str | os.PathLike, seed: int = 0,
         index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
                  "weight_map": {k: name for name, s in zip(names, shards) for k in s}}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = dict(cfg.to_hf(), torch_dtype=dtype.name)
+    config = dict(families.config_to_hf(cfg), torch_dtype=dtype.name)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return [path / n for n in names]
