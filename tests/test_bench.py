@@ -260,7 +260,7 @@ def test_bench_reports_a_failed_run_as_json_and_fails():
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets: exactly what ModelConfig.from_hf builds from the published config.json files.
+# Presets: exactly what config_from_hf builds from the published config.json files.
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
               hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
