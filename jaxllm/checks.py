@@ -2,8 +2,8 @@
 flags, token ids, and `argtype` for argparse. Every check returns the value as a plain Python
 (or numpy int32) value, or raises one ValueError (a TypeError where a caller asks) naming it.
 
-The bottom layer: it imports no other jaxllm module, so config, cache, sampling, the CLI and the scripts
-all share it.
+The bottom layer: it imports no other jaxllm module (nor JAX: scripts/bench.py loads it before
+it sets JAX up), so config, cache, sampling, the CLI and the scripts all share it.
 """
 
 import argparse
@@ -185,7 +185,8 @@ def argtype(least: int, most: int | None = None):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < least or most is not None and value > most:
             shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
-            rule = f">= {least}" if most is None else f"in [{least}, {most}]" + (" (int32)" if most == INT32_MAX else "")
+            rule = f">= {least}" if most is None else \
+                f"in [{least}, {most}]" + (" (int32)" if most == INT32_MAX else "")
             raise argparse.ArgumentTypeError(f"must be {rule}, got {shown}")
         return value
     return parse

@@ -169,7 +169,8 @@ def test_low_level_calls_check_the_cache_and_the_context(llama):
                             (dict(batch=2, length=8, start=[0]), r"start must be 2 whole numbers in \[0, 8\)"),
                             (dict(batch=2, length=8, start=[0, -1]), r"start must be 2 whole numbers"),
                             # an int32 slot count, not XLA's RESOURCE_EXHAUSTED for a 10**12-slot cache
-                            (dict(batch=1, length=10**12), r"cache length must be at most 2147483647, got 1000000000000")]:
+                            (dict(batch=1, length=10**12),
+                             r"cache length must be at most 2147483647, got 1000000000000")]:
         with pytest.raises(ValueError, match=message):
             jaxllm.init_cache(cfg, **kwargs)
     with pytest.raises(TypeError, match=r"init_cache takes the model's ModelConfig \(params.config\), got Params"):

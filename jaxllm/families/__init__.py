@@ -151,4 +151,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def of(cfg: ModelConfig) -> Family:
+    """The family of a config."""
     return family(cfg.model_type)
