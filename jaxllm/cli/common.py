@@ -26,7 +26,10 @@ class UsageError(Exception):
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # argparse would name this function ("invalid positive_int value")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -109,6 +112,10 @@ def _model_path(path: str | None) -> Path:
     p = Path(path)
     if not p.exists():
         raise UsageError(f"no model at {path}")
+    if p.is_dir() and not any((p / name).exists() for name in ("config.json", "jaxllm_config.json")):
+        # the tokenizer is read first; its files are not what an empty directory lacks first
+        raise UsageError(f"{path} holds no model: it has no config.json (a Hugging Face checkpoint) "
+                         "nor jaxllm_config.json (a `jaxllm convert` output), nor their weights")
     return p
 
 
