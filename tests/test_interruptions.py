@@ -208,3 +208,71 @@ def test_ctrl_c_in_the_middle_of_orbax_writes_is_one_line(tmp_path):
             p.wait()
     assert p.returncode == 130 and err.strip().splitlines() == ["jaxllm convert: interrupted"], err[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+# --- 2, 3, 4: the GGUF converted-weights cache -----------------------------------------------------
+
+GGUF_CHILD = """
+import sys, time
+moment = sys.argv[1]
+from jaxllm.io import loader
+def pause(fn, after):
+    def wrapped(*a, **k):
+        out = fn(*a, **k) if after else None
+        print("AT", moment, flush=True)
+        time.sleep(60)
+        return out if after else fn(*a, **k)
+    return wrapped
+if moment == "writing":  # the temporary entry made, the tensors not yet converted
+    loader._CacheWriter.start = pause(loader._CacheWriter.start, after=True)
+elif moment == "commit":  # every tensor written and checked, the entry not yet moved into place
+    loader._CacheWriter.commit = pause(loader._CacheWriter.commit, after=False)
+from jaxllm import cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """(a tiny Q8_0 GGUF file, the cache directory it converts into, set as JAXLLM_CACHE here)."""
+    import gguf
+    from test_gguf import write_tiny
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, "llama", quant=gguf.GGMLQuantizationType.Q8_0)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JAXLLM_CACHE", str(cache))
+    return path, cache
+
+
+def _entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir() if p.name != "xla") if cache.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, sig, code", [("writing", "SIGTERM", 143), ("commit", "SIGTERM", 143),
+                                               ("writing", "SIGINT", 130), ("writing", "SIGKILL", -9)])
+def test_a_signalled_first_start_leaves_no_partial_cache_entry(tiny_gguf, moment, sig, code):
+    import signal
+
+    path, cache = tiny_gguf
+    argv = ["generate", "hi", "--model", str(path), "--dtype", "float32", "--max-new-tokens", "1"]
+    p = subprocess.Popen([sys.executable, "-c", GGUF_CHILD, moment, *argv], env=_env(JAXLLM_CACHE=str(cache)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == f"AT {moment}", p.stderr.read()[-3000:] if p.poll() is not None else line
+        assert any(".tmp" in name for name in _entries(cache))  # the partial entry exists now
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == code, err[-3000:]
+    if sig != "SIGKILL":
+        assert err.strip().splitlines()[-1] == f"jaxllm generate: {'terminated' if code == 143 else 'interrupted'}"
+        assert _entries(cache) == []
+    jaxllm.load(path, dtype="float32")  # the next start: sweeps a killed one's temporary, caches
+    (entry,) = _entries(cache)
+    assert ".tmp" not in entry and (cache / entry / "model.safetensors").is_file()

@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import sys
 import time
@@ -68,7 +69,7 @@ def _staging(dst: Path):
     except OSError as e:
         raise ValueError(f"{dst} cannot be made: {e.strerror or e}") from None
     prefix = f".{dst.name}{STAGING}"
-    paths.remove_stale(dst.parent, prefix)  # a killed (SIGKILL) run's leftovers
+    paths.remove_stale(dst.parent, re.escape(prefix) + r"(\d+)")  # a killed (SIGKILL) run's leftovers
     tmp = dst.parent / f"{prefix}{os.getpid()}"
     try:
         yield tmp

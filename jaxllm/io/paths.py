@@ -59,9 +59,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(parent: Path, prefix: str) -> None:
-    """Remove the temporaries `<prefix><PID>` under `parent` whose process is gone (killed before it
-    could clean up: SIGKILL, a power cut). Best effort: another process may be removing them too."""
+def remove_stale(parent: Path, pattern: str) -> None:
+    """Remove the temporaries under `parent` whose names fully match `pattern` (a regular
+    expression whose one group is the writing process's PID) and whose process is gone (killed
+    before it could clean up: SIGKILL, a power cut). Best effort: another process may be removing
+    them too."""
+    import re
     import shutil
 
     try:
@@ -69,6 +72,12 @@ def remove_stale(parent: Path, prefix: str) -> None:
     except OSError:
         return
     for entry in entries:
-        pid = entry.name[len(prefix):]
-        if entry.name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        m = re.fullmatch(pattern, entry.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                try:
+                    entry.unlink()
+                except OSError:
+                    pass
