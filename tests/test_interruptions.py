@@ -276,3 +276,39 @@ def test_a_signalled_first_start_leaves_no_partial_cache_entry(tiny_gguf, moment
     jaxllm.load(path, dtype="float32")  # the next start: sweeps a killed one's temporary, caches
     (entry,) = _entries(cache)
     assert ".tmp" not in entry and (cache / entry / "model.safetensors").is_file()
+
+
+def test_a_damaged_gguf_is_named_and_never_cached(tiny_gguf):
+    import gguf
+
+    path, cache = tiny_gguf
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    with open(path, "r+b") as f:
+        f.seek(tensor.data_offset)
+        f.write(b"\xff" * 64)  # a block's scale becomes nan
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"{path}: tensor 'blk.0.ffn_down.weight' .* holds nan"):
+            jaxllm.load(path, dtype="float32")
+        assert _entries(cache) == []
+
+
+def test_a_damaged_cached_copy_is_named_removed_and_converted_again(tiny_gguf):
+    import json
+    import struct
+
+    path, cache = tiny_gguf
+    jaxllm.load(path, dtype="float32")
+    (entry,) = _entries(cache)
+    weights = cache / entry / "model.safetensors"
+    raw = weights.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    at = 8 + n + json.loads(raw[8:8 + n])["model.layers.0.mlp.down_proj.weight"]["data_offsets"][0]
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff" * 16)
+    with pytest.raises(ValueError) as e:
+        jaxllm.load(path, dtype="float32")
+    assert str(cache / entry) in str(e.value) and str(path) in str(e.value) and "holds nan" in str(e.value)
+    assert _entries(cache) == []
+    jaxllm.load(path, dtype="float32")  # converted again, from the file
+    assert _entries(cache) == [entry]

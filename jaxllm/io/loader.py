@@ -174,7 +174,13 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     # A killed (SIGKILL) start's partial entry, `<entry>.tmp<PID>`, is removed by the next start.
     paths.remove_stale(cached.parent, r".+\.tmp(\d+)")
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
-        return _load_hf(cached, dtype, path.name, shard, quant)
+        try:
+            return _load_hf(cached, dtype, path.name, shard, quant)
+        except ValueError as e:  # damaged on disk since: never served again
+            import shutil
+            shutil.rmtree(cached, ignore_errors=True)
+            raise ValueError(f"{cached}, the converted copy of {path}, is damaged ({e}); it was removed, "
+                             f"so the next start converts {path.name} again") from None
     hf_config, source = gguf_source(path, dtype)
     cfg = ModelConfig.from_hf(hf_config)
     # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
