@@ -312,3 +312,25 @@ def test_a_damaged_cached_copy_is_named_removed_and_converted_again(tiny_gguf):
     assert _entries(cache) == []
     jaxllm.load(path, dtype="float32")  # converted again, from the file
     assert _entries(cache) == [entry]
+
+
+def test_the_second_of_two_starts_says_nothing_when_the_first_cached_it(tiny_gguf, monkeypatch, capsys):
+    import shutil
+
+    from jaxllm.io import loader
+
+    path, cache = tiny_gguf
+    jaxllm.load(path, dtype="float32")
+    (entry,) = _entries(cache)
+    won = cache.parent / "won"
+    shutil.move(cache / entry, won)
+    commit = loader._CacheWriter.commit
+
+    def other_process_first(self, *args):  # the other process moves its entry in just before
+        shutil.copytree(won, self.target)
+        return commit(self, *args)
+    monkeypatch.setattr(loader._CacheWriter, "commit", other_process_first)
+    capsys.readouterr()
+    jaxllm.load(path, dtype="float32")
+    assert capsys.readouterr().err == ""
+    assert _entries(cache) == [entry]

@@ -277,6 +277,8 @@ class _CacheWriter:
                 json.dumps({"eos_token_id": list(cfg.eos_token_ids)}))
             os.replace(self.tmp, self.target)
         except OSError as e:
+            if (self.target / "config.json").is_file() and (self.target / "model.safetensors").is_file():
+                return  # another process, starting at the same time, made the same entry first
             self._fail(e)
 
     def discard(self) -> None:
