@@ -334,3 +334,57 @@ def test_the_second_of_two_starts_says_nothing_when_the_first_cached_it(tiny_ggu
     jaxllm.load(path, dtype="float32")
     assert capsys.readouterr().err == ""
     assert _entries(cache) == [entry]
+
+
+# --- 6: runaway answers ----------------------------------------------------------------------------
+
+
+def _fake_stream(tok, answers: list, prompts: list):
+    """A `jaxllm.stream` that plays `answers` in turn: token ids, then a stop (an int) or an
+    exception to raise (Ctrl-C while the answer streams)."""
+    import io  # noqa: F401
+    turns = iter(answers)
+
+    def stream(params, ids, *, eos_token_ids, max_new_tokens, **kwargs):
+        prompts.append(tok.decode(ids))
+        text, end = next(turns)
+        yield from tok.encode(text)[:max_new_tokens]
+        if isinstance(end, BaseException):
+            raise end
+        if end == "stop":
+            yield eos_token_ids[0]
+    return stream
+
+
+def test_an_answer_cut_at_max_new_tokens_says_so(tiny_model, monkeypatch, capsys):
+    tok = jaxllm.load_tokenizer(tiny_model)
+    long = " Paris ok" * 20
+    n = len(tok.encode(long)) - 3
+    monkeypatch.setattr(jaxllm, "stream", _fake_stream(tok, [(long, None), (" ok", "stop")], []))
+    assert cli.main(["generate", "hi", "--model", str(tiny_model), "--max-new-tokens", str(n)]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"jaxllm: stopped at --max-new-tokens {n}"
+    assert cli.main(["generate", "hi", "--model", str(tiny_model), "--max-new-tokens", str(n)]) == 0
+    assert "stopped at" not in capsys.readouterr().err  # the answer ended by itself
+
+
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_model, monkeypatch, capsys):
+    import io
+
+    tok = jaxllm.load_tokenizer(tiny_model)
+    prompts: list = []
+    monkeypatch.setattr(jaxllm, "stream", _fake_stream(
+        tok, [(" Paris ok", KeyboardInterrupt()), (" ok", "stop")], prompts))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/help\nand France?\n"))
+    assert cli.main(["chat", "--model", str(tiny_model)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == " Paris ok\n ok\n"
+    assert "answer stopped" in captured.err and "/reset clears the history" in captured.err
+    assert len(prompts) == 2 and "/help" not in prompts[1]  # /help never reached the model
+    assert prompts[1].startswith(prompts[0] + " Paris ok")  # what was shown stays in the history
+
+
+def test_ctrl_c_at_the_chat_prompt_ends_the_chat(tiny_model, monkeypatch, capsys):
+    def interrupted(prompt=""):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert cli.main(["chat", "--model", str(tiny_model)]) == 0
