@@ -388,3 +388,64 @@ def test_ctrl_c_at_the_chat_prompt_ends_the_chat(tiny_model, monkeypatch, capsys
         raise KeyboardInterrupt
     monkeypatch.setattr("builtins.input", interrupted)
     assert cli.main(["chat", "--model", str(tiny_model)]) == 0
+
+
+# --- 5: long prompts prefill in chunks -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_the_chunk_gives_the_one_shot_answer(monkeypatch, capsys):
+    from jaxllm.engine import generate as engine
+    from jaxllm.model.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, ffn_size=48, max_position_embeddings=256)
+    params = jaxllm.init_params(cfg, jax.random.key(5), jnp.float32)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 97, 40)), list(rng.integers(3, 97, 23))]  # bucket 64, ragged
+    one_shot = jaxllm.generate(params, prompts, max_new_tokens=12)
+    streamed = list(jaxllm.stream(params, prompts[0], max_new_tokens=12))
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 16)  # 64 = 4 chunks
+    assert engine.prefill_chunk(64) == 16
+    chunked = jaxllm.generate(params, prompts, max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(chunked.tokens), np.asarray(one_shot.tokens))
+    np.testing.assert_array_equal(np.asarray(chunked.lengths), np.asarray(one_shot.lengths))
+    assert list(jaxllm.stream(params, prompts[0], max_new_tokens=12)) == streamed
+
+    # On a terminal, a prefill that runs past PROGRESS_AFTER_S shows its progress, then erases it.
+    monkeypatch.setattr(engine, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    capsys.readouterr()
+    assert list(jaxllm.stream(params, prompts[0], max_new_tokens=12)) == streamed
+    err = capsys.readouterr().err
+    assert "\rjaxllm: prefill 16/64 tokens" in err and err.endswith("\r\033[K")
+    chunked = jaxllm.generate(params, prompts, max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(chunked.tokens), np.asarray(one_shot.tokens))
+    err = capsys.readouterr().err
+    assert "jaxllm: prefill 48/64 tokens" in err and err.endswith("\r\033[K")
+
+
+@pytest.mark.slow
+def test_a_long_prompt_prefill_holds_chunk_sized_scores_not_the_whole_prompts():
+    """The compiled generate of a 4096-token prompt: its [T, T] scores alone are 256 MB, a 1024-token
+    chunk's [1024, S] a quarter of that."""
+    from jaxllm.engine import generate as engine
+    from jaxllm.engine import memory
+    from jaxllm.engine.sampling import SamplingConfig
+    from jaxllm.model.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8, ffn_size=48, max_position_embeddings=8192)
+    params = jaxllm.init_params(cfg, jax.random.key(6), jnp.float32)
+    T, steps = 4096, 16
+    sampling = SamplingConfig(0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 0).validate()
+    args = (params, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+            jnp.int32(steps), engine._stop_array([1]), sampling.values(1))
+
+    def allocated(chunk):
+        compiled = engine._generate_core_host_loop.trace(
+            *args, cache_length=T + steps, steps=steps, flags=sampling.static(), chunk=chunk).lower().compile()
+        return memory.program_bytes(compiled)
+    assert engine.prefill_chunk(T) == 1024
+    chunked, whole = allocated(1024), allocated(None)
+    assert chunked < whole / 3, (chunked, whole)
