@@ -223,8 +223,8 @@ def pause(fn, after):
         time.sleep(60)
         return out if after else fn(*a, **k)
     return wrapped
-if moment == "writing":  # the temporary entry made, the tensors not yet converted
-    loader._CacheWriter.start = pause(loader._CacheWriter.start, after=True)
+if moment == "writing":  # the temporary entry made, the tensors about to be converted into it
+    loader._convert = pause(loader._convert, after=False)
 elif moment == "commit":  # every tensor written and checked, the entry not yet moved into place
     loader._CacheWriter.commit = pause(loader._CacheWriter.commit, after=False)
 from jaxllm import cli
