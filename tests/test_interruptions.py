@@ -20,6 +20,7 @@ import pytest
 
 import jaxllm
 from jaxllm import cli
+from test_cli import tiny_model  # noqa: F401  (the fixture: a tiny chat model with its tokenizer)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,8 +92,6 @@ def test_an_empty_model_directory_lacks_config_and_weights(tmp_path, capsys):
 
 # --- 1: `jaxllm convert` interrupted, or failing, leaves nothing behind ------------------------------
 
-from test_cli import tiny_model  # noqa: E402,F401  (the fixture: a tiny chat model with its tokenizer)
-
 # The child runs the CLI with one function wrapped to say "AT <moment>" and wait there to be
 # signalled: `load` (the model loading), `save` (orbax's save started, its writes under way),
 # `tokenizer` (the weights written, the tokenizer not yet).
@@ -121,8 +120,6 @@ sys.exit(cli.main(sys.argv[2:]))
 
 def _signalled_convert(moment: str, sig, src: Path, dst: Path):
     """Run `jaxllm convert src dst` in a child, send `sig` when it reaches `moment`; its result."""
-    import signal as _signal  # noqa: F401
-
     p = subprocess.Popen([sys.executable, "-c", CHILD, moment, "convert", str(src), str(dst)], env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -342,7 +339,6 @@ def test_the_second_of_two_starts_says_nothing_when_the_first_cached_it(tiny_ggu
 def _fake_stream(tok, answers: list, prompts: list):
     """A `jaxllm.stream` that plays `answers` in turn: token ids, then a stop (an int) or an
     exception to raise (Ctrl-C while the answer streams)."""
-    import io  # noqa: F401
     turns = iter(answers)
 
     def stream(params, ids, *, eos_token_ids, max_new_tokens, **kwargs):
