@@ -402,7 +402,7 @@ def test_a_prompt_longer_than_the_chunk_gives_the_one_shot_answer(monkeypatch, c
     one_shot = jaxllm.generate(params, prompts, max_new_tokens=12)
     streamed = list(jaxllm.stream(params, prompts[0], max_new_tokens=12))
     monkeypatch.setattr(engine, "PREFILL_CHUNK", 16)  # 64 = 4 chunks
-    assert engine.prefill_chunk(64) == 16
+    assert engine.prefill_chunk(64, params) == 16
     chunked = jaxllm.generate(params, prompts, max_new_tokens=12)
     np.testing.assert_array_equal(np.asarray(chunked.tokens), np.asarray(one_shot.tokens))
     np.testing.assert_array_equal(np.asarray(chunked.lengths), np.asarray(one_shot.lengths))
@@ -442,6 +442,6 @@ def test_a_long_prompt_prefill_holds_chunk_sized_scores_not_the_whole_prompts():
         compiled = engine._generate_core_host_loop.trace(
             *args, cache_length=T + steps, steps=steps, flags=sampling.static(), chunk=chunk).lower().compile()
         return memory.program_bytes(compiled)
-    assert engine.prefill_chunk(T) == 1024
+    assert engine.prefill_chunk(T, params) == 1024
     chunked, whole = allocated(1024), allocated(None)
     assert chunked < whole / 3, (chunked, whole)

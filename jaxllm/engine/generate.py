@@ -60,8 +60,8 @@ ONE_ROW_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 # A prompt longer than this prefills in chunks of it, each a step over the cache the chunks before
 # it filled: the attention scores of a chunk are [chunk, S] where the whole prompt's were [T, T],
-# which grew to gigabytes for prompts of thousands of tokens. Buckets above 1024 are multiples of
-# 1024, so the chunks divide them.
+# which grew to gigabytes for prompts of thousands of tokens (cuDNN's fused prefill never forms
+# them: it keeps one prefill). Buckets above 1024 are multiples of 1024, so the chunks divide them.
 PREFILL_CHUNK = 1024
 PROGRESS_AFTER_S = 2.0  # a prefill still running after this long shows its progress on a terminal
 
@@ -178,8 +178,11 @@ def _choose(logits_BV, history, sampling: SamplingParams, index, flags: Sampling
                       argmax_rows=flags.argmax_rows)
 
 
-def prefill_chunk(width: int) -> int | None:
-    """The chunk a prompt `width` tokens wide (a bucket) prefills in, None for one fresh prefill."""
+def prefill_chunk(width: int, params: Params) -> int | None:
+    """The chunk a prompt `width` tokens wide (a bucket) prefills in, None for one fresh prefill:
+    also where cuDNN's fused attention prefills it, which never forms the [T, T] scores."""
+    if L.uses_cudnn_attention(params.dtype, params.config.head_dim):
+        return None
     return PREFILL_CHUNK if width > PREFILL_CHUNK and width % PREFILL_CHUNK == 0 else None
 
 
@@ -403,8 +406,8 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
         return (params, jnp.asarray(tokens), jnp.asarray(start),
                 jnp.int32(max_new_tokens), _stop_array(stops), sampling.values(tokens.shape[0])), dict(
                     cache_length=cache_length, steps=steps, flags=sampling.static(),
-                    kv_int8=is_int8(kv_dtype), chunk=prefill_chunk(tokens.shape[1]),
-                    progress=prefill_chunk(tokens.shape[1]) is not None and _show_progress())
+                    kv_int8=is_int8(kv_dtype), chunk=prefill_chunk(tokens.shape[1], params),
+                    progress=prefill_chunk(tokens.shape[1], params) is not None and _show_progress())
 
     def allocated(*plan):  # compiled once: the call below finds it in the jit's cache
         tokens, _, steps, cache_length = plan
@@ -414,7 +417,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
             args, static = call(*plan)
             return core.trace(*args, **static).lower().compile()
         return _counted(compiled, params, core, tokens.shape, len(stops), cache_length, steps,
-                        sampling.static(), is_int8(kv_dtype), prefill_chunk(tokens.shape[1]))
+                        sampling.static(), is_int8(kv_dtype), prefill_chunk(tokens.shape[1], params))
 
     plan = _plan(params, ids, max_new_tokens, sampling, kv_dtype, allocated)
     tokens, _, steps, cache_length = plan
@@ -454,7 +457,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
         # once for abstract arguments, which the call below finds in the jit's cache.
         kv = memory.request_bytes(params, 1, tokens.shape[1], cache_length, kv_dtype)[0]
 
-        chunk = prefill_chunk(tokens.shape[1])
+        chunk = prefill_chunk(tokens.shape[1], params)
         shape = tokens.shape if chunk is None else (tokens.shape[0], chunk)
 
         def compiled():
@@ -473,7 +476,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     history = _history(tokens_dev, cache.start, params.config.vocab_size, flags)
     rotation = rotation_table(params.config, cache_length) if params.tp is None else None
     compiled = compile_count(run)
-    chunk = prefill_chunk(tokens.shape[1])
+    chunk = prefill_chunk(tokens.shape[1], params)
     if chunk is None:
         logits_BV, cache = run(params, tokens_dev, cache, fresh=True)
     else:  # a few calls of one program, as `_chunked_prefill` does inside generate's
