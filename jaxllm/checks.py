@@ -178,15 +178,15 @@ def token_ids(ids, vocab: int, *, ragged: bool = False, one: bool = False):
 def argtype(least: int, most: int | None = None):
     """An argparse type: an integer in [least, most] (most None: no upper bound), refused with
     one line that argparse prefixes with the flag."""
+    rule = f">= {least}" if most is None else f"in [{least}, {most}]" + (" (int32)" if most == INT32_MAX else "")
+
     def parse(text: str) -> int:
         try:
             value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        except ValueError:  # argparse would name this function ("invalid parse value")
+            raise argparse.ArgumentTypeError(f"must be a whole number {rule}, got {text!r}") from None
         if value < least or most is not None and value > most:
             shown = text if len(text) < 30 else f"{text[:12]}... ({len(text)} digits)"
-            rule = f">= {least}" if most is None else \
-                f"in [{least}, {most}]" + (" (int32)" if most == INT32_MAX else "")
             raise argparse.ArgumentTypeError(f"must be {rule}, got {shown}")
         return value
     return parse

@@ -6,12 +6,29 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 # A number beyond this is no setting of any variable here, and would overflow the int it ends in
 # (JAXLLM_LOAD_BUFFER_MB=1e308 times 2**20 is inf in float).
 _LARGEST = 2**63
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
+
+
+def _in_cli() -> bool:
+    """Whether this process is the `jaxllm` command (its script, or `python -m jaxllm`)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "jaxllm" or \
+        any(a == "-m" and b == "jaxllm" for a, b in zip(argv, argv[1:]))
+
+
+def _refuse(message: str):
+    """A ValueError naming the variable; in the `jaxllm` command, one line and exit code 2: the
+    variables are read as jaxllm is imported, before the command's own error handling exists."""
+    if _in_cli():
+        print(f"jaxllm: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    raise ValueError(message)
 
 
 def env_number(name: str, default, kind=int):
@@ -21,13 +38,14 @@ def env_number(name: str, default, kind=int):
     try:
         value = kind(text)
     except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"environment variable {name}={text!r} is not {what}") from None
+        value = None
+    if value is None:  # refused outside the except: no "during handling" chain on the error
+        _refuse(f"environment variable {name}={text!r} is not {'an integer' if kind is int else 'a number'}")
     if not math.isfinite(value):
-        raise ValueError(f"environment variable {name}={text!r} is not a finite number")
+        _refuse(f"environment variable {name}={text!r} is not a finite number")
     if abs(value) >= _LARGEST:
-        raise ValueError(f"environment variable {name}={text!r} is out of range "
-                         f"(its magnitude must be below 2**63)")
+        _refuse(f"environment variable {name}={text!r} is out of range "
+                f"(its magnitude must be below 2**63)")
     return value
 
 
@@ -41,8 +59,8 @@ def env_ints(name: str, default: str) -> tuple[int, ...]:
     except ValueError:
         values = ()
     if len(values) != count:
-        raise ValueError(f"environment variable {name}={text!r} is not a comma-separated list of "
-                         f"{count} integers (default {default!r})")
+        _refuse(f"environment variable {name}={text!r} is not a comma-separated list of "
+                f"{count} integers (default {default!r})")
     return values
 
 
@@ -52,8 +70,8 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if text == "":
         return default
     if text not in choices:
-        raise ValueError(f"environment variable {name}={text!r} is not one of "
-                         f"{', '.join(repr(c) for c in choices)}")
+        _refuse(f"environment variable {name}={text!r} is not one of "
+                f"{', '.join(repr(c) for c in choices)}")
     return text
 
 
@@ -66,5 +84,5 @@ def env_flag(name: str, default: bool) -> bool:
         return default
     if word in _ON or word in _OFF:
         return word in _ON
-    raise ValueError(f"environment variable {name}={text!r} is not an on/off switch "
-                     f"(1/0, true/false, yes/no, on/off)")
+    _refuse(f"environment variable {name}={text!r} is not an on/off switch "
+                f"(1/0, true/false, yes/no, on/off)")

@@ -6,7 +6,8 @@ one, write its `add_` function (in its own module under cli/) and append it to `
 `add_sampling_args`, `add_system_arg`, `add_trace_arg`) and `load_model` / `sampling_kwargs` keep
 the flags and their meaning the same everywhere.
 
-Exit codes: 0 done, 2 bad input (a flag value the library refuses, a missing model), 130 Ctrl-C.
+Exit codes: 0 done, 2 bad input (a flag value the library refuses, a missing model), 130 Ctrl-C,
+143 SIGTERM (both after cleaning up what the command was writing).
 Input errors are one line on stderr, never a traceback; a traceback means a bug in jaxllm.
 """
 
@@ -17,7 +18,7 @@ import os
 import sys
 from typing import Callable
 
-from jaxllm.cli.common import UsageError
+from jaxllm.cli.common import Terminated, UsageError, say, terminate_as_exception
 from jaxllm.cli.convert import add_convert
 from jaxllm.cli.generate import add_chat, add_generate
 from jaxllm.cli.perplexity import add_perplexity
@@ -42,15 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    terminate_as_exception()
     try:
         return args.run(args)
     except (UsageError, ValueError, FileNotFoundError) as e:
         # Bad input, as the library names it: one line, no traceback.
         print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # its clean-up done on the way here
+        say(f"jaxllm {args.command}: {'terminated' if isinstance(e, Terminated) else 'interrupted'}")
+        return 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # `jaxllm generate ... | head`: the reader left, nothing to report
         # Point stdout at /dev/null so that the flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -7,8 +7,11 @@ The shared flags (`add_model_args`, `add_sampling_args`, `add_system_arg`, `add_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import jaxllm
@@ -106,6 +109,10 @@ def _model_path(path: str | None) -> Path:
     p = Path(path)
     if not p.exists():
         raise UsageError(f"no model at {path}")
+    if p.is_dir() and not any((p / name).exists() for name in ("config.json", "jaxllm_config.json")):
+        # the tokenizer is read first; its files are not what an empty directory lacks first
+        raise UsageError(f"{path} holds no model: it has no config.json (a Hugging Face checkpoint) "
+                         "nor jaxllm_config.json (a `jaxllm convert` output), nor their weights")
     return p
 
 
@@ -135,3 +142,59 @@ def mesh_of(tp: int):
     if tp == 1:
         return None
     return make_mesh(tp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals: Ctrl-C and SIGTERM as exceptions in the main thread, so that clean-up (`finally`) runs
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: the CLI cleans up as for Ctrl-C, then exits 143."""
+
+
+_stderr_fd: int | None = None  # the real stderr, once `silence_stderr` pointed fd 2 elsewhere
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def terminate_as_exception() -> None:
+    """SIGTERM raises `Terminated` in the main thread (instead of ending the process at once)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def silence_stderr() -> None:
+    """From now on, fd 2 goes to /dev/null; `say` still reaches the terminal. After an interrupt,
+    background writers (orbax's threads and event loops) fail as their files are taken away, and
+    report it from threads and at exit: none of that is the user's business."""
+    global _stderr_fd
+    if _stderr_fd is not None:
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    _stderr_fd = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def say(line: str) -> None:
+    """One line on the user's stderr, even after `silence_stderr`."""
+    if _stderr_fd is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        os.write(_stderr_fd, (line + "\n").encode())
+
+
+def _silence_and_raise(signum, frame):
+    silence_stderr()
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def quiet_orbax_on_interrupt() -> None:
+    """Ctrl-C and SIGTERM silence stderr before they raise: see `silence_stderr`."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _silence_and_raise)
+        signal.signal(signal.SIGTERM, _silence_and_raise)

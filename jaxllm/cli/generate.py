@@ -49,26 +49,44 @@ def _traced(tokens: Iterator[int], trace_dir: str | None, notes: list[str], warm
         notes.append(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}")
 
 
-def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: str | None = None) -> str:
-    """Generate from `ids`, writing each complete piece of text to `out` as it comes; returns the text."""
+def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: str | None = None,
+                stoppable: bool = False) -> str:
+    """Generate from `ids`, writing each complete piece of text to `out` as it comes; returns the text.
+
+    An answer cut by max_new_tokens says so on stderr. `stoppable`: Ctrl-C ends the answer (what
+    was shown is returned) instead of the command."""
     out = out or sys.stdout
     stops = stop_ids(params, tok)
     detok = tok.stream()
     pieces, notes = [], []
-    # `stream` ends after a stop token, which is not shown; running it out lets the trace close.
-    for token in _traced(jaxllm.stream(params, ids, eos_token_ids=stops, **kwargs), trace_dir, notes):
-        if token in stops:
-            continue
-        piece = detok.push(token)
-        if piece:
-            out.write(piece)
-            out.flush()
-            pieces.append(piece)
+    count, stopped, ended = 0, False, False
+    tokens = jaxllm.stream(params, ids, eos_token_ids=stops, **kwargs)
+    try:
+        # `stream` ends after a stop token, which is not shown; running it out lets the trace close.
+        for token in _traced(tokens, trace_dir, notes):
+            count += 1
+            if token in stops:
+                ended = True
+                continue
+            piece = detok.push(token)
+            if piece:
+                out.write(piece)
+                out.flush()
+                pieces.append(piece)
+    except KeyboardInterrupt:
+        if not stoppable:
+            raise
+        stopped = True
+        tokens.close()
     tail = detok.flush()
     out.write(tail + "\n")
     out.flush()
     for note in notes:
         print(note, file=sys.stderr)
+    if stopped:
+        print("jaxllm: answer stopped (Ctrl-C)", file=sys.stderr)
+    elif not ended and count == kwargs["max_new_tokens"]:  # `stream` ran out, no stop token came
+        print(f"jaxllm: stopped at --max-new-tokens {count}", file=sys.stderr)
     pieces.append(tail)
     return "".join(pieces)
 
@@ -107,11 +125,14 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = ("/reset clears the history; /help lists these commands; Ctrl-C stops an answer; /exit, "
+             "Ctrl-D or Ctrl-C at the prompt ends.")
+
+
 def add_chat(subparsers) -> None:
-    p = subparsers.add_parser("chat", help="talk with the model; /reset clears the history, /exit ends",
+    p = subparsers.add_parser("chat", help="talk with the model; /help lists the commands",
                               description="An interactive chat that keeps the history: one user "
-                                          "message per line. /reset clears the history; /exit or "
-                                          "end of input (Ctrl-D) ends.")
+                                          "message per line. " + CHAT_HELP)
     add_model_args(p)
     add_system_arg(p)
     add_trace_arg(p)
@@ -130,17 +151,20 @@ def run_chat(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="jaxllm: recompiling")
     interactive = sys.stdin.isatty()
     if interactive:
-        print("jaxllm chat: /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
+        print("jaxllm chat: /help lists the commands, /exit or Ctrl-D ends", file=sys.stderr)
     while True:
         try:
             line = input(">>> " if interactive else "")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt: the chat ends
             if interactive:
-                print()  # Ctrl-D leaves the cursor after the prompt
+                print()  # leaves the cursor after the prompt
             break
         text = line.strip()
         if text == "/exit":
             break
+        if text == "/help":
+            print(f"jaxllm chat: {CHAT_HELP}", file=sys.stderr)
+            continue
         if text == "/reset":
             history.clear()
             print("(history cleared)", file=sys.stderr)
@@ -150,7 +174,8 @@ def run_chat(args: argparse.Namespace) -> int:
         messages = system + history + [{"role": "user", "content": text}]
         try:
             # Re-rendering the whole history each turn is simple and always what the template means.
-            answer = stream_text(params, tok, encode_chat(tok, messages), kwargs, trace_dir=args.trace_dir)
+            answer = stream_text(params, tok, encode_chat(tok, messages), kwargs, trace_dir=args.trace_dir,
+                                 stoppable=True)
         except ValueError as e:  # e.g. the history outgrew the context: keep the session alive
             print(f"jaxllm: {e} (/reset clears the history)", file=sys.stderr)
             continue

@@ -80,8 +80,11 @@ def note_compile(name: str, shape: str, group: Hashable = None, *, stacklevel: i
         seen = _shapes.setdefault((name, group), [])
         if shape in seen:
             return False
+        # A new sampling mode at known buckets (greedy, then sampling) compiles too, but the
+        # advice below is about buckets: warn only for buckets not compiled before.
+        known = {_buckets(s) for s in seen}
         seen.append(shape)
-        if len(seen) == 1:
+        if not known or _buckets(shape) in known:
             return False
         before = seen[-2]
     warnings.warn(
@@ -91,6 +94,15 @@ def note_compile(name: str, shape: str, group: Hashable = None, *, stacklevel: i
     return True
 
 
+class ShapeText(str):
+    """`shape_text`'s text, which knows its buckets' part (the text without the sampling mode)."""
+    buckets: str
+
+
+def _buckets(shape: str) -> str:
+    return getattr(shape, "buckets", shape)
+
+
 def shape_text(batch: int, prompt_bucket: int, cache_length: int, steps: int | None = None,
                sampling=None) -> str:
     """'batch 1, prompt bucket 64, 64 new-token steps, cache 128, greedy': what a compile keys on."""
@@ -98,11 +110,14 @@ def shape_text(batch: int, prompt_bucket: int, cache_length: int, steps: int | N
     if steps is not None:
         parts.append(f"{steps} new-token steps")
     parts.append(f"cache {cache_length}")
+    buckets = ", ".join(parts)
     if sampling is not None:  # a SamplingConfig: static() is (greedy, top_k, top_p, min_p, penalty)
         greedy, *on = sampling.static()
         used = [n for n, o in zip(("top_k", "top_p", "min_p", "repetition penalty"), on) if o]
         parts.append(("greedy" if greedy else "sampling") + (" with " + ", ".join(used) if used else ""))
-    return ", ".join(parts)
+    text = ShapeText(", ".join(parts))
+    text.buckets = buckets
+    return text
 
 
 def compiled_shapes(name: str, group: Hashable = None) -> list[str]:

@@ -59,6 +59,14 @@ LOOP_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer":
 ONE_ROW_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
+# A prompt longer than this prefills in chunks of it, each a step over the cache the chunks before
+# it filled: the attention scores of a chunk are [chunk, S] where the whole prompt's were [T, T],
+# which grew to gigabytes for prompts of thousands of tokens (cuDNN's fused prefill never forms
+# them: it keeps one prefill). Buckets above 1024 are multiples of 1024, so the chunks divide them.
+PREFILL_CHUNK = 1024
+PROGRESS_AFTER_S = 2.0  # a prefill still running after this long shows its progress on a terminal
+
+
 class GenerateOutput(NamedTuple):
     tokens: jax.Array  # int32 [B, max_new_tokens]; the pad id after a row stops
     lengths: jax.Array  # int32 [B]: new tokens per row, the stop token included
@@ -144,14 +152,76 @@ def _choose(logits_BV, history, sampling: SamplingParams, index, flags: Sampling
                       argmax_rows=flags.argmax_rows)
 
 
+def prefill_chunk(width: int, params: Params) -> int | None:
+    """The chunk a prompt `width` tokens wide (a bucket) prefills in, None for one fresh prefill:
+    also where cuDNN's fused attention prefills it, which never forms the [T, T] scores."""
+    if L.uses_cudnn_attention(params.dtype, params.config.head_dim):
+        return None
+    return PREFILL_CHUNK if width > PREFILL_CHUNK and width % PREFILL_CHUNK == 0 else None
+
+
+class _Progress:
+    """'jaxllm: prefill 3072/8192 tokens' on stderr while a long prefill runs, only on a terminal
+    and only once it has run PROGRESS_AFTER_S; the line is erased when the prefill is done."""
+    started, shown = 0.0, False
+
+    @classmethod
+    def update(cls, done: int, total: int) -> None:
+        import sys
+        import time
+        now, done = time.monotonic(), int(done)
+        if done == 0:
+            cls.started, cls.shown = now, False
+        if done < total and now - cls.started >= PROGRESS_AFTER_S:
+            sys.stderr.write(f"\rjaxllm: prefill {done}/{total} tokens")
+            sys.stderr.flush()
+            cls.shown = True
+        elif done == total and cls.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _show_progress() -> bool:
+    import sys
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+def _chunked_prefill(params: Params, tokens_BT, cache, chunk: int, progress: bool = False):
+    """The prompt's prefill in chunks of `chunk` tokens, each a step over what the chunks before
+    it wrote (left padding stays unseen: it lies before each row's start); (logits [B, V], cache)
+    as `step(..., fresh=True)` returns them."""
+    B, T = tokens_BT.shape
+    chunks_NBC = tokens_BT.reshape(B, T // chunk, chunk).transpose(1, 0, 2)
+
+    def body(cache, x):
+        i, chunk_BC = x
+        if progress:
+            jax.debug.callback(partial(_Progress.update, total=T), i * chunk)
+        logits_BV, cache = step(params, chunk_BC, cache)
+        return cache, logits_BV
+
+    cache, logits_NBV = jax.lax.scan(body, cache, (jnp.arange(T // chunk, dtype=jnp.int32), chunks_NBC))
+    if progress:
+        # after the last chunk: its logits are the callback's argument
+        jax.debug.callback(lambda _: _Progress.update(T, T), logits_NBV[-1, 0, 0])
+    return logits_NBV[-1], cache
+
+
 def _generate_core_fn(params: Params, tokens_BT, start_B, max_new, stop_ids, sampling: SamplingParams, *,
-                      cache_length: int, steps: int, flags: SamplingFlags, kv_int8: bool = False):
+                      cache_length: int, steps: int, flags: SamplingFlags, kv_int8: bool = False,
+                      chunk: int | None = None, progress: bool = False):
     cfg = params.config
     B = tokens_BT.shape[0]
     pad = jnp.int32(cfg.pad_id)
     cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
     history = _history(tokens_BT, start_B, cfg.vocab_size, flags)
-    logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
+    if chunk is None:
+        logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
+    else:
+        logits_BV, cache = _chunked_prefill(params, tokens_BT, cache, chunk, progress)
     token_B = _choose(logits_BV, history, sampling, 0, flags)
     out_BN = jnp.full((B, steps), pad, jnp.int32).at[:, 0].set(token_B)
     done_B = _is_stop(token_B, stop_ids)
@@ -189,7 +259,7 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, max_new, stop_ids, sam
     return jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32)
 
 
-_STATIC = ("cache_length", "steps", "flags", "kv_int8")
+_STATIC = ("cache_length", "steps", "flags", "kv_int8", "chunk", "progress")
 
 
 def _options(graph: bool, cublas: bool) -> dict:
@@ -310,7 +380,8 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
         return (params, jnp.asarray(tokens), jnp.asarray(start),
                 jnp.int32(max_new_tokens), _stop_array(stops), sampling.values(tokens.shape[0])), dict(
                     cache_length=cache_length, steps=steps, flags=sampling.static(),
-                    kv_int8=is_int8(kv_dtype))
+                    kv_int8=is_int8(kv_dtype), chunk=prefill_chunk(tokens.shape[1], params),
+                    progress=prefill_chunk(tokens.shape[1], params) is not None and _show_progress())
 
     def allocated(*plan):  # compiled once: the call below finds it in the jit's cache
         tokens, _, steps, cache_length = plan
@@ -320,7 +391,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
             args, static = call(*plan)
             return core.trace(*args, **static).lower().compile()
         return _counted(compiled, params, core, tokens.shape, len(stops), cache_length, steps,
-                        sampling.static(), is_int8(kv_dtype))
+                        sampling.static(), is_int8(kv_dtype), prefill_chunk(tokens.shape[1], params))
 
     plan = _plan(params, ids, max_new_tokens, sampling, kv_dtype, allocated)
     tokens, _, steps, cache_length = plan
@@ -357,12 +428,15 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
         # once for abstract arguments, which the call below finds in the jit's cache.
         kv = memory.request_bytes(params, 1, tokens.shape[1], cache_length, kv_dtype)[0]
 
+        chunk = prefill_chunk(tokens.shape[1], params)
+        shape = tokens.shape if chunk is None else (tokens.shape[0], chunk)
+
         def compiled():
             cache = jax.eval_shape(partial(new_cache, cache_length=cache_length),
                                    jax.ShapeDtypeStruct(start.shape, jnp.int32))
-            return run.trace(params, jax.ShapeDtypeStruct(tokens.shape, jnp.int32), cache,
-                             fresh=True).lower().compile()
-        return kv + _counted(compiled, params, run, tokens.shape, cache_length, is_int8(kv_dtype))
+            return run.trace(params, jax.ShapeDtypeStruct(shape, jnp.int32), cache,
+                             fresh=chunk is None).lower().compile()
+        return kv + _counted(compiled, params, run, shape, cache_length, is_int8(kv_dtype), chunk is None)
 
     tokens, start, _, cache_length = _plan(params, [ids], max_new_tokens, sampling, kv_dtype,
                                            allocated)
@@ -373,7 +447,19 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     history = _history(tokens_dev, cache.start, params.config.vocab_size, flags)
     rotation = rotation_table(params.config, cache_length) if params.tp is None else None
     compiled = compile_count(run)
-    logits_BV, cache = run(params, tokens_dev, cache, fresh=True)
+    chunk = prefill_chunk(tokens.shape[1], params)
+    if chunk is None:
+        logits_BV, cache = run(params, tokens_dev, cache, fresh=True)
+    else:  # a few calls of one program, as `_chunked_prefill` does inside generate's
+        progress, width = _show_progress(), tokens.shape[1]
+        for done in range(0, width, chunk):
+            if progress:
+                _Progress.update(done, width)
+            logits_BV, cache = run(params, tokens_dev[:, done:done + chunk], cache)
+            if progress:
+                jax.block_until_ready(logits_BV)  # the progress shown is what was done
+        if progress:
+            _Progress.update(width, width)
     check_recompile(run, compiled, "stream", group=(params.config, params.dtype),
                     describe=lambda: shape_text(*tokens.shape, cache_length))
     for i in range(max_new_tokens):

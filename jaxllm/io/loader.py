@@ -172,16 +172,25 @@ def _load_gguf(path: Path, dtype, shard: dict | None = None, quant: str = "none"
     from jaxllm.io.gguf import gguf_source, gguf_stop_ids  # lazy: the gguf package is slow to import
 
     cached = _gguf_cache_path(path, dtype)
+    # A killed (SIGKILL) start's partial entry, `<entry>.tmp<PID>`, is removed by the next start.
+    paths.remove_stale(cached.parent, r".+\.tmp(\d+)")
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
-        return _load_hf(cached, dtype, path.name, shard, quant)
+        try:
+            return _load_hf(cached, dtype, path.name, shard, quant)
+        except ValueError as e:  # damaged on disk since: never served again
+            import shutil
+            shutil.rmtree(cached, ignore_errors=True)
+            raise ValueError(f"{cached}, the converted copy of {path}, is damaged ({e}); it was removed, "
+                             f"so the next start converts {path.name} again") from None
     hf_config, source = gguf_source(path, dtype)
     cfg = families.config_from_hf(hf_config)
     # Stop ids: the GGUF's eos plus the chat template's end-of-turn token, as the tokenizer knows them.
     stops = gguf_stop_ids(path)
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + stops)))
-    cache = _CacheWriter(cached, source)
-    source.sink = cache.write
-    try:
+    cache = _CacheWriter(cached)
+    try:  # from the temporary's making on: an interruption anywhere removes it
+        cache.start(source)
+        source.sink = cache.write
         # Dequantizing is arithmetic, not waiting on a disk: readers beyond the cores only hold
         # more blocks and parameters in memory at once.
         threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
@@ -197,12 +206,17 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 class _CacheWriter:
     """A safetensors file of the converted tensors, written block by block as they are
-    dequantized (no copy of the model is held for it). Best effort: a read-only or full disk
-    only costs the next start its dequantization."""
+    dequantized (no copy of the model is held for it), into `<entry>.tmp<PID>` and moved into place
+    only once the whole load succeeded. Best effort: a read-only or full disk only costs the next
+    start its dequantization."""
 
-    def __init__(self, target: Path, source):
+    def __init__(self, target: Path):
         self.target, self.fd, self.lock, self.ok = target, None, threading.Lock(), True
+        self.writing, self.closing = 0, False  # writes under way; whether the last one closes fd
         self.tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+
+    def start(self, source) -> None:
+        """Make the temporary entry: the safetensors header of `source`'s tensors, the file sized."""
         dtype = np.dtype(source.dtype(next(iter(source.shapes), "")))
         self.itemsize, header, end = dtype.itemsize, {}, 0
         for name in sorted(source.shapes, key=source.position):
@@ -223,14 +237,15 @@ class _CacheWriter:
             self._fail(e)
 
     def _fail(self, e: OSError) -> None:
-        # The descriptor stays open until `discard`: another thread may still be writing to it.
-        if self.ok:
+        if self.ok and not self.closing:
             print(f"jaxllm: could not cache converted weights in {self.target}: {e}", file=sys.stderr)
         self.ok = False
 
     def write(self, name: str, start: int, values: np.ndarray) -> None:
-        if not self.ok:
-            return
+        with self.lock:
+            if not self.ok or self.closing:
+                return
+            self.writing += 1  # the descriptor stays open until this write is done
         data = memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
         try:
             if os.pwrite(self.fd, data, self.starts[name] + start * self.itemsize) != len(data):
@@ -238,28 +253,42 @@ class _CacheWriter:
         except OSError as e:
             with self.lock:
                 self._fail(e)
-            return
-        with self.lock:
-            self.left -= len(data)
+        else:
+            with self.lock:
+                self.left -= len(data)
+        finally:
+            with self.lock:
+                self.writing -= 1
+                if self.closing and not self.writing:
+                    self._close()
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def commit(self, hf_config: dict, cfg: ModelConfig) -> None:
-        """Called once every tensor was read: the cache is complete, moved into place."""
+        """Called once every tensor was read and checked: the cache is complete, moved into place."""
         if not self.ok or self.left:
             return
         try:
-            os.close(self.fd)
-            self.fd = None
+            self._close()
             (self.tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
             (self.tmp / "generation_config.json").write_text(
                 json.dumps({"eos_token_id": list(cfg.eos_token_ids)}))
             os.replace(self.tmp, self.target)
         except OSError as e:
+            if (self.target / "config.json").is_file() and (self.target / "model.safetensors").is_file():
+                return  # another process, starting at the same time, made the same entry first
             self._fail(e)
 
     def discard(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        """Remove what was not moved into place (after a failure, Ctrl-C or SIGTERM in the CLI): the
+        reads under way may still write, so the last of them closes the descriptor."""
+        with self.lock:
+            self.closing = True
+            if not self.writing:
+                self._close()
         if self.tmp.exists():
             import shutil
             shutil.rmtree(self.tmp, ignore_errors=True)

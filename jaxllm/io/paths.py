@@ -39,8 +39,45 @@ def make_empty_dir(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} exists and is not a directory")
     if directory.exists() and any(directory.iterdir()):
-        raise ValueError(f"{directory} exists and is not empty")
+        held = sorted(p.name for p in directory.iterdir())
+        raise ValueError(f"{directory} exists and is not empty (it holds {', '.join(held[:3])}"
+                         f"{' ...' if len(held) > 3 else ''}): name a new or empty directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{directory} cannot be made: {e.strerror or e}") from None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_stale(parent: Path, pattern: str) -> None:
+    """Remove the temporaries under `parent` whose names fully match `pattern` (a regular
+    expression whose one group is the writing process's PID) and whose process is gone (killed
+    before it could clean up: SIGKILL, a power cut). Best effort: another process may be removing
+    them too."""
+    import re
+    import shutil
+
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = re.fullmatch(pattern, entry.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                try:
+                    entry.unlink()
+                except OSError:
+                    pass

@@ -81,6 +81,10 @@ def from_hf_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32,
         if tuple(source.shapes[name]) != shape:
             raise ValueError(f"tensor {name} has shape {tuple(source.shapes[name])}, expected "
                              f"{shape} from the config")
+        stored = np.dtype(source.dtype(name))
+        if not jnp.issubdtype(stored, jnp.floating):  # a cast would make values of the integers' bits
+            raise ValueError(f"tensor {name} is stored as {stored.name}; its weights must be a floating "
+                             "type (float32, bfloat16 or float16)")
     place = place or (lambda path, x: jnp.asarray(x, dtype))
     host_dtype = {path: np.result_type(*(source.dtype(name) for name, _ in hf[path])) for path, s in jobs}
 
