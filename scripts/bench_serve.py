@@ -23,7 +23,7 @@ Modes (--mode, a comma list, run in this order on the same requests):
 JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk,
 requests, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens, output_tokens,
 request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
-(TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens), and for engine and
+(TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
 http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
 running / max_slots, mean over decode steps), host_ms_per_step (the engine thread's time per
 iteration outside its waits on the device), device_wait_ms_per_step; errors.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import socket
@@ -116,7 +117,7 @@ def _percentiles(name: str, values_s) -> dict:
     return {f"{name}_ms_p{q}": (round(float(np.percentile(v, q)), 3) if v.size else None) for q in (50, 90, 99)}
 
 
-def summarize(jobs, records, duration_s: float) -> dict:
+def summarize(jobs, records, duration_s: float, streamed: bool = True) -> dict:
     """records[i]: (arrival time, token times) on one clock; a request's latencies from its arrival."""
     ttft, tpot, itl, e2e = [], [], [], []
     out_tokens = 0
@@ -126,7 +127,7 @@ def summarize(jobs, records, duration_s: float) -> dict:
         out_tokens += len(times)
         ttft.append(times[0] - t0)
         e2e.append(times[-1] - t0)
-        if len(times) > 1:
+        if len(times) > 1 and streamed:
             tpot.append((times[-1] - times[0]) / (len(times) - 1))
             itl.extend(np.diff(times))
     return dict(duration_s=round(duration_s, 3), input_tokens=sum(len(j["prompt"]) for j in jobs),
@@ -236,7 +237,15 @@ async def _stream(port: int, body: bytes, times: list, usage: dict) -> int:
 
 
 def run_http(engine, jobs, vocab: int, timeout: float):
+    import resource
+
     import uvicorn
+
+    # Each request holds two sockets of this process (the client's and the server's): raise the
+    # soft limit on open files (often 1024) to the hard one.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     from jaxllm.server.app import create_app
 
@@ -363,13 +372,17 @@ def main(argv=None) -> int:
         elif mode == "http":
             records, duration, errors = run_http(engine, jobs, cfg.vocab_size, args.timeout)
         else:
+            if engine is not None:  # its cache goes before generate's batches need the memory
+                engine.shutdown(10)
+                engine = None
+                gc.collect()
             records, duration, errors = run_static(params, jobs, args.max_slots)
-        line = dict(mode=mode, **label, **summarize(jobs, records, duration))
+        line = dict(mode=mode, **label, **summarize(jobs, records, duration, streamed=mode != "static"))
         if mode != "static":
             line.update(engine_fields(before, engine.stats()))
         line["errors"] = errors[:5] + ([f"... {len(errors) - 5} more"] if len(errors) > 5 else [])
         print(json.dumps(line), flush=True)
-    if engine is not None and engine.ready:
+    if engine is not None:
         engine.shutdown(10)
     return 0
 

@@ -285,8 +285,10 @@ class BatchingEngine:
             context = cfg.max_position_embeddings
             self.max_context = min(self.max_context or context, context)
             # Left padding to a bucket (at most the chunk, and less than the prompt) sits before a row's
-            # prompt; one more slot for the step that runs after a row's last token.
-            self._length = self.max_context + min(self.prefill_chunk, self.max_context) + 1
+            # prompt; one more slot for the step that runs after a row's last token; a multiple of
+            # 128 as the decode attention kernel's blocks want (kernels.decode_attention_mode).
+            length = self.max_context + min(self.prefill_chunk, self.max_context) + 1
+            self._length = -(-length // 128) * 128
             self._stops = frozenset(self._eos) | frozenset(cfg.eos_token_ids)
             self._init_state()
             self._warm_up()
