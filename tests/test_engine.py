@@ -142,6 +142,27 @@ def test_prompts_longer_than_a_chunk_equal_generate(engine, params):
         assert cs[2 * k + 1].wait().tokens == _alone(params, p[:9], 10)
 
 
+def test_running_streams_get_tokens_between_the_chunks_of_a_long_prompt(engine):
+    """A long prompt is prefilled a chunk at a time, a decode step between two chunks: a running
+    stream gets a token while each chunk count is current."""
+    rng = random.Random(8)
+    seen_chunks = []
+    c = Collector()
+    started = threading.Event()
+
+    def on_event(event):  # on the engine thread: stats() shows the chunk calls made so far
+        seen_chunks.append(engine.stats()["chunk_calls"])
+        c(event)
+        started.set()
+    engine.submit(Request(_prompt(rng, 4), 60, ignore_eos=True), on_event)
+    assert started.wait(30)
+    before = engine.stats()["chunk_calls"]
+    long = _run(engine, Request(_prompt(rng, 2 * CHUNK + 5), 2, ignore_eos=True))
+    assert len(long.tokens) == 2
+    c.wait()
+    assert set(range(before, before + 3)) <= set(seen_chunks)
+
+
 def test_seeded_sampling_equals_the_same_seed_alone(engine, params):
     rng = random.Random(3)
     prompt = _prompt(rng, 11)
