@@ -44,6 +44,7 @@ from flax import struct
 from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request,
                                TokenLogprob)
 from jaxllm.engine.generate import MIN_BUCKET, _choose, _record, _seen_from_prompt, bucket
+from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
 from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release
 from jaxllm.model.transformer import rotation_table, step
@@ -290,6 +291,11 @@ class BatchingEngine:
             length = self.max_context + min(self.prefill_chunk, self.max_context) + 1
             self._length = -(-length // 128) * 128
             self._stops = frozenset(self._eos) | frozenset(cfg.eos_token_ids)
+            try:  # before the cache is allocated: an out-of-memory error would name no setting
+                check_fit(self._params, self.max_slots, 1, self._length, self._kv_dtype)
+            except ValueError as e:
+                raise ValueError(f"{self.max_slots} slots of {self.max_context} tokens do not fit: {e} "
+                                 f"(fewer slots or a shorter max_context would)") from None
             self._init_state()
             self._warm_up()
         finally:
