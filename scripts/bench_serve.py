@@ -16,6 +16,7 @@ Modes (--mode, a comma list, run in this order on the same requests):
   http    the same engine behind `jaxllm serve`'s app on uvicorn (127.0.0.1), each request a
           streaming /v1/completions POST (with stream_options.include_usage) from an asyncio client;
           its tokenizer is a stand-in that writes each id as text, so every token is one SSE chunk;
+          the client runs in a process of its own;
   static  `jaxllm.generate` on the requests in arrival order, batches of --max-slots rows, each
           batch to its longest output (every shape warmed up first; a request's tokens all come
           when its batch ends: its TTFT is its e2e).
@@ -236,31 +237,17 @@ async def _stream(port: int, body: bytes, times: list, usage: dict) -> int:
     return status
 
 
-def run_http(engine, jobs, vocab: int, timeout: float):
+def _raise_open_files() -> None:
+    """Each request holds a socket in the client and one in the server: the soft limit on open
+    files (often 1024) up to the hard one."""
     import resource
-
-    import uvicorn
-
-    # Each request holds two sockets of this process (the client's and the server's): raise the
-    # soft limit on open files (often 1024) to the hard one.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
-    from jaxllm.server.app import create_app
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = create_app(engine, IdTokenizer(vocab), "bench", start_engine=False, max_n=1)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=60,
-                                           limit_concurrency=None, backlog=4096))
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the HTTP server did not start")
-        time.sleep(0.05)
+def http_client(port: int, jobs, timeout: float):
+    """Send every job at its arrival time as a streaming completion; (records, duration, errors)."""
 
     async def client():
         records = [(0.0, []) for _ in jobs]
@@ -285,8 +272,37 @@ def run_http(engine, jobs, vocab: int, timeout: float):
             errors.append("timed out")
         return records, time.perf_counter() - start, errors
 
+    _raise_open_files()
+    return asyncio.run(client())
+
+
+def run_http(engine, jobs, vocab: int, timeout: float):
+    import uvicorn
+
+    _raise_open_files()
+
+    from jaxllm.server.app import create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(engine, IdTokenizer(vocab), "bench", start_engine=False, max_n=1)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=60,
+                                           limit_concurrency=None, backlog=4096))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.05)
+
+    # The client runs in a process of its own, as a user's would: parsing every stream's chunks
+    # here would take the interpreter lock from the engine thread and the server.
+    import concurrent.futures
+    import multiprocessing
     try:
-        return asyncio.run(client())
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(http_client, port, jobs, timeout).result()
     finally:
         server.should_exit = True
         thread.join(60)
