@@ -163,6 +163,27 @@ def test_running_streams_get_tokens_between_the_chunks_of_a_long_prompt(engine):
     assert set(range(before, before + 3)) <= set(seen_chunks)
 
 
+def test_a_short_prompt_does_not_wait_for_a_long_one_to_be_prefilled(engine, params):
+    rng = random.Random(9)
+    order = []
+
+    def first_token(name):
+        c = Collector()
+
+        def on_event(event):
+            if not c.events:
+                order.append(name)
+            c(event)
+        return c, on_event
+    (long, on_long), (short, on_short) = first_token("long"), first_token("short")
+    long_prompt, short_prompt = _prompt(rng, 2 * CHUNK + 5), _prompt(rng, 6)
+    engine.submit(Request(long_prompt, 3, ignore_eos=True), on_long)
+    engine.submit(Request(short_prompt, 3, ignore_eos=True), on_short)
+    assert long.wait().tokens == _alone(params, long_prompt, 3)
+    assert short.wait().tokens == _alone(params, short_prompt, 3)
+    assert order == ["short", "long"]
+
+
 def test_seeded_sampling_equals_the_same_seed_alone(engine, params):
     rng = random.Random(3)
     prompt = _prompt(rng, 11)

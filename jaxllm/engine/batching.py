@@ -257,6 +257,7 @@ class BatchingEngine:
         self._abort_all = False
         self._owner: list[_Running | None] = [None] * max_slots  # the request of each row
         self._staging: _Running | None = None  # the long prompt being prefilled in chunks
+        self._chunk_turn = True  # whether its next chunk goes before short prompts' prefill
         self._pending: collections.deque[_Pending] = collections.deque()
         self._next_id = 0
         self._closing = False
@@ -456,15 +457,19 @@ class BatchingEngine:
         item.on_event(event)
 
     def _admit(self) -> list[_Running]:
-        """Under the lock: the requests to prefill now. A long prompt in staging goes on alone;
-        else the first waiting request (a long one starts staging) and, behind it, waiting
-        requests of its bucket width, up to the largest batch size that fits the free rows."""
-        if self._staging is not None or not self._waiting:
+        """Under the lock: the requests to prefill now. The first waiting request (a long one
+        starts staging) and, behind it, waiting requests of its bucket width, up to the largest
+        batch size that fits the free rows. While a long prompt stages, its chunks take every
+        other iteration, short prompts the others: neither waits for the other to finish."""
+        if not self._waiting or self._staging is not None and self._chunk_turn:
             return []
         free = [r for r, o in enumerate(self._owner) if o is None]
         if not free:
             return []
-        head = self._waiting[0]
+        short = [w for w in self._waiting if len(w.request.prompt) <= self.prefill_chunk]
+        head = self._waiting[0] if self._staging is None else short[0] if short else None
+        if head is None:
+            return []
         P = len(head.request.prompt)
         if P > self.prefill_chunk:
             self._waiting.popleft()
@@ -479,8 +484,7 @@ class BatchingEngine:
             return [head]
         width = bucket(P)
         room = min(max(self._batch_sizes(width)), len(free))
-        taken = [w for w in self._waiting if len(w.request.prompt) <= self.prefill_chunk
-                 and bucket(len(w.request.prompt)) == width][:room]
+        taken = [w for w in short if bucket(len(w.request.prompt)) == width][:room]
         for item, row in zip(taken, free):
             self._waiting.remove(item)
             item.row = row
@@ -490,10 +494,12 @@ class BatchingEngine:
     def _iterate(self, admitted: list[_Running]) -> None:
         """Dispatch this iteration's prefill (or chunk) and decode step, then read every call but
         the newest, which runs while the host works."""
-        if self._staging is not None:
-            self._prefill_chunk(self._staging)
-        elif admitted:
+        if admitted and admitted[0] is not self._staging:
             self._prefill(admitted)
+            self._chunk_turn = True
+        elif self._staging is not None:
+            self._prefill_chunk(self._staging)
+            self._chunk_turn = False
         active = np.array([o is not None and self._staging is not o for o in self._owner])
         if active.any():
             requests = [o.request for o, a in zip(self._owner, active) if a]
