@@ -9,7 +9,8 @@ of S slots each (S = max_context plus the left padding a prompt bucket adds), on
   few batch sizes), its first token sampled and every row inserted into its free row of the
   cache, in one jitted, donated call. A longer prompt is prefilled chunk by chunk in a one-row
   staging cache (one chunk between two decode steps, so running streams never wait for a whole
-  long prompt), and its last chunk inserts the row;
+  long prompt; short prompts' prefills take turns with its chunks), and its last chunk inserts
+  the row;
 - one jitted decode step advances every row (free rows are computed and ignored; their bounds are
   reset to [0, 0), so they write slot 0 and read nothing else); a finished or aborted row is free
   for the next insert at once;
