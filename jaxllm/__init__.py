@@ -12,10 +12,11 @@ each other, not even inside a function (tests/test_layering.py holds the same li
   env, checks -> layers (dense, quant) -> kernels -> model (config, params, cache, transformer,
   sharding) -> families (HF config keys, tensor names, GGUF archs per model_type) -> io (hf, gguf,
   reading, checkpoint, loader, paths, compile_cache) ->
-  text (tokenizer, chat_template) -> engine (sampling, memory, steps, compile, generate, score) ->
+  text (tokenizer, chat_template) -> engine (sampling, memory, steps, compile, generate, score, batching) ->
   tools (trace, telemetry, roofline, presets) -> this public API -> cli -> __main__
 """
 
+from jaxllm.engine.batching import BatchingEngine as Engine
 from jaxllm.engine.generate import GenerateOutput, generate, stream
 from jaxllm.engine.sampling import sample
 from jaxllm.engine.steps import decode_step, forward, prefill
@@ -29,7 +30,7 @@ from jaxllm.tools import trace
 from jaxllm.tools.trace import summarize, trace_steady
 
 
-__all__ = ["KVCache", "GenerateOutput", "ModelConfig", "Params", "decode_step", "forward", "generate",
+__all__ = ["Engine", "KVCache", "GenerateOutput", "ModelConfig", "Params", "decode_step", "forward", "generate",
            "init_cache", "init_params", "load", "load_tokenizer", "prefill", "sample", "stream"]
 __all__ += ["summarize", "trace", "trace_steady"]
 

@@ -115,7 +115,7 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     (["serve", "--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
     (["serve", "--max-queued", "0"], "argument --max-queued: must be >= 1, got 0"),
     (["serve", "--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a number of seconds >= 0"),
-    (["serve", "--max-slots", "4"], "--max-slots above 1 needs the continuous-batching engine"),
+    (["serve", "--prefill-chunk", "100"], "--prefill-chunk must be a power of two >= 16 or a multiple of 1024"),
     (["serve", "--model", "/nonexistent/model"], "no model at /nonexistent/model"),
 ])
 def test_bad_numbers_exit_2_with_the_reason(argv, message, capsys):

@@ -29,6 +29,7 @@ KEY = "sk-test-key"
 MODEL = "tiny"
 MAX_CONTEXT = 128
 MAX_QUEUED = 4
+MAX_SLOTS = 2
 
 
 class LiveServer:
@@ -119,10 +120,11 @@ def params():
 
 @pytest.fixture(scope="module")
 def live(params, tok):
-    from jaxllm.engine.serial import SerialEngine
+    from jaxllm.engine.batching import BatchingEngine
     from jaxllm.server.app import create_app
 
-    engine = SerialEngine(params, eos_token_ids=tok.eos_token_ids, max_context=MAX_CONTEXT, max_queued=MAX_QUEUED)
+    engine = BatchingEngine(params, eos_token_ids=tok.eos_token_ids, max_slots=MAX_SLOTS, max_context=MAX_CONTEXT,
+                            max_queued=MAX_QUEUED, prefill_chunk=64)
     server = LiveServer(create_app(engine, tok, MODEL, api_key=KEY, eos_token_ids=tok.eos_token_ids))
     try:
         server.wait_ready()
@@ -323,9 +325,9 @@ def test_unknown_model_is_404(live, client):
 
 def test_full_queue_is_429_with_retry_after(live, client):
     before = live.metrics()["jaxllm:requests_rejected_total"]
-    # n choices are n engine requests: more than one running plus MAX_QUEUED waiting cannot fit
+    # n choices are n engine requests: more than MAX_SLOTS running plus MAX_QUEUED waiting cannot fit
     status, err, headers = _error(live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
-                                                                 "n": MAX_QUEUED + 2}))
+                                                                 "n": MAX_SLOTS + MAX_QUEUED + 1}))
     assert status == 429 and int(headers["retry-after"]) >= 1
     assert live.wait_idle()["jaxllm:requests_rejected_total"] == before + 1
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
@@ -353,15 +355,18 @@ def _leave_while_queued(live, body: dict) -> None:
 def test_disconnect_aborts_queued_and_streaming_requests(live, client):
     before = live.metrics()["jaxllm:requests_aborted_total"]
     long = dict(model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
-    stream = client.completions.create(stream=True, **long)
+    stream = client.completions.create(stream=True, n=MAX_SLOTS, **long)
     it = iter(stream)
-    next(it)  # the long request is decoding; the next ones wait behind it and their clients leave
+    next(it)  # the long requests fill every slot; the next ones wait behind them and their clients leave
+    deadline = time.monotonic() + 10
+    while live.metrics()["jaxllm:slots_in_use"] < MAX_SLOTS and time.monotonic() < deadline:
+        time.sleep(0.01)
     _leave_while_queued(live, dict(model=MODEL, prompt=PROMPT, max_tokens=100, ignore_eos=True))
     _leave_while_queued(live, dict(model=MODEL, prompt=PROMPT, max_tokens=100, ignore_eos=True, stream=True))
     next(it)
     stream.close()  # the streaming client leaves mid-answer
     m = live.wait_idle()
-    assert m["jaxllm:requests_aborted_total"] == before + 3
+    assert m["jaxllm:requests_aborted_total"] == before + 3  # three clients left
     assert m["jaxllm:slots_in_use"] == 0
 
 
@@ -369,16 +374,18 @@ def test_engine_failure_ends_streams_with_an_error_and_health_503(params, tok):
     """An exception on the engine thread: the open stream gets an error event, /health turns 503,
     new requests get 503, and the owner hears of it (the CLI exits non-zero)."""
     from jaxllm.engine.api import Event
-    from jaxllm.engine.serial import SerialEngine
+    from jaxllm.engine.batching import BatchingEngine
     from jaxllm.server.app import create_app
 
-    class Failing(SerialEngine):
-        def _run(self, rid, request, on_event):
-            on_event(Event([5]))
+    class Failing(BatchingEngine):
+        def _deliver(self, pending):
+            for item in pending.owners:
+                if item is not None:
+                    item.on_event(Event([5]))
             raise RuntimeError("injected engine failure")
 
     fatal = []
-    engine = Failing(params, max_context=32, max_queued=MAX_QUEUED)
+    engine = Failing(params, max_slots=MAX_SLOTS, max_context=32, max_queued=MAX_QUEUED)
     server = LiveServer(create_app(engine, tok, MODEL, on_fatal=fatal.append))
     try:
         server.wait_ready()

@@ -31,10 +31,15 @@ def add_serve(subparsers) -> None:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=argtype(0, 65535), default=8000, help="port to listen on (default: 8000)")
-    p.add_argument("--max-slots", type=positive_int, default=1, metavar="N",
-                   help="requests generated at once (default: 1; the interim engine runs one at a time)")
+    p.add_argument("--max-slots", type=positive_int, default=None, metavar="N",
+                   help="requests generated at once, each a row of one preallocated KV cache of "
+                        "--max-context slots (default: 64 on a GPU, 8 elsewhere)")
     p.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                    help="prompt + max_tokens of one request, at most (default: the model's context)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512, metavar="N",
+                   help="prompts longer than this are prefilled N tokens at a time between decode steps, "
+                        "shorter ones batched up to N tokens (a power of two >= 16 or a multiple of 1024; "
+                        "default: 512)")
     p.add_argument("--max-queued", type=positive_int, default=64, metavar="N",
                    help="requests waiting for a slot before more get 429 (default: 64)")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -53,12 +58,20 @@ def run_serve(args: argparse.Namespace) -> int:
     import jaxllm
     from jaxllm.cli.common import UsageError, _model_path, load_model
     from jaxllm.io import paths
-    from jaxllm.engine.serial import SerialEngine
+    import jax
+
+    from jaxllm.engine.batching import BatchingEngine
+    from jaxllm.engine.generate import bucket
     from jaxllm.server.app import create_app
 
-    if args.max_slots != 1:
-        raise UsageError("--max-slots above 1 needs the continuous-batching engine; this one runs one "
-                         "request at a time")
+    if args.prefill_chunk < 16 or bucket(args.prefill_chunk) != args.prefill_chunk:
+        raise UsageError(f"--prefill-chunk must be a power of two >= 16 or a multiple of 1024, "
+                         f"got {args.prefill_chunk}")
+    if args.max_context is not None and args.max_context < 2:
+        raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
+    # A GPU's decode step costs about the same for 1 or 64 rows (it reads the weights once); a CPU's
+    # grows with the rows.
+    max_slots = args.max_slots or (64 if jax.default_backend() == "gpu" else 8)
     path = _model_path(args.model)
     tok = jaxllm.load_tokenizer(path)
     name = args.served_model_name or (Path(path).stem if path != paths.default_model_path() else
@@ -68,8 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return load_model(args)[0]
 
     # the model's stop ids join these when it is loaded (cli.stop_ids)
-    engine = SerialEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_context=args.max_context,
-                          max_queued=args.max_queued)
+    engine = BatchingEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_slots=max_slots,
+                            max_context=args.max_context, max_queued=args.max_queued,
+                            prefill_chunk=args.prefill_chunk)
     failure: list[str] = []
 
     def on_fatal(message: str) -> None:

@@ -86,7 +86,7 @@ OnEvent = Callable[[Event], None]
 
 
 class Engine(Protocol):
-    """What `jaxllm.server` needs of an engine (SerialEngine now; the batching engine next)."""
+    """What `jaxllm.server` needs of an engine (jaxllm.engine.batching.BatchingEngine)."""
 
     max_context: int  # prompt + max_tokens of one request, at most
     on_failure: Callable[[str], None] | None  # called once, on the engine thread, if it fails

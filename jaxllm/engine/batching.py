@@ -1,0 +1,593 @@
+"""BatchingEngine: continuous batching over the rows of one preallocated KV cache.
+
+It satisfies jaxllm.engine.api's contract (the server's engine). `max_slots` rows of one cache
+of S slots each (S = max_context plus the left padding a prompt bucket adds), one row a request:
+
+- admission takes a waiting request when a row is free; a request reserves prompt + max_tokens
+  <= max_context of its own row, so nothing is ever evicted;
+- a prompt of at most `prefill_chunk` tokens is prefilled with others of its length bucket (a
+  few batch sizes), its first token sampled and every row inserted into its free row of the
+  cache, in one jitted, donated call. A longer prompt is prefilled chunk by chunk in a one-row
+  staging cache (one chunk between two decode steps, so running streams never wait for a whole
+  long prompt; short prompts' prefills take turns with its chunks), and its last chunk inserts
+  the row;
+- one jitted decode step advances every row (free rows are computed and ignored; their bounds are
+  reset to [0, 0), so they write slot 0 and read nothing else); a finished or aborted row is free
+  for the next insert at once;
+- each row samples with its own settings (SamplingParams a row, key fold_in(key(seed), token
+  index)): a request's tokens depend on its prompt, settings and seed alone. Two decode programs
+  (all rows greedy and no penalties, or every filter and penalty with each row's neutral values)
+  times logprobs or not (the log_softmax and top 20, only when some row asks);
+- the engine thread owns the device state and blocks on its condition when idle. It dispatches
+  step n + 1 before it reads step n's tokens (one device_get), so the host's work for step n (stop
+  ids, events, the server's detokenizing) overlaps the device's step n + 1; a row that finished
+  at step n is computed once more and ignored.
+
+Every program it runs is compiled in `start()`, before `ready`; `stats()["compilations"]` counts
+the XLA compilations made on its threads (tests assert none come after ready).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request,
+                               TokenLogprob)
+from jaxllm.engine.generate import MIN_BUCKET, _choose, _record, _seen_from_prompt, bucket
+from jaxllm.engine.memory import check_fit
+from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
+from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release
+from jaxllm.model.transformer import rotation_table, step
+
+GREEDY = SamplingFlags()  # every running row greedy and without penalties: an argmax, no history
+EVERY = SamplingFlags.every()  # otherwise: each row's own values turn off what it does not use
+
+# --- compilation counting -----------------------------------------------------------------------
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_counting = threading.local()  # .engine: the engine whose thread this is
+_listening = False
+
+
+def _count_compilation(event: str, duration: float, **_) -> None:
+    engine = getattr(_counting, "engine", None)
+    if event == _COMPILE_EVENT and engine is not None:
+        engine._compilations += 1
+
+
+# --- the device programs -------------------------------------------------------------------------
+
+
+@struct.dataclass
+class Rows:
+    """The engine's device state that each call donates: the cache and the penalties' history."""
+
+    cache: KVCache  # [B] rows of S slots
+    seen: jax.Array  # bool [B, V]: ids in the row's prompt and output (repetition penalty)
+    counts: jax.Array  # int32 [B, V]: the row's output ids (presence and frequency penalties)
+
+
+@struct.dataclass
+class Next:
+    """Per-row inputs of the next decode step, small and not donated (the host may still read the
+    last step's tokens while the next step runs)."""
+
+    tokens: jax.Array  # int32 [B]: the row's last token, the next step's input
+    index: jax.Array  # int32 [B]: the index of the token the next step samples
+    sampling: SamplingParams  # [B]
+
+
+def _logprobs(logits_BV, token_B):
+    """(the chosen token's log-probability [B], the top MAX_TOP_LOGPROBS [B, k] and their ids)."""
+    logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    chosen_B = jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
+    top_Bk, ids_Bk = jax.lax.top_k(logp_BV, min(MAX_TOP_LOGPROBS, logp_BV.shape[-1]))
+    return chosen_B, top_Bk, ids_Bk.astype(jnp.int32)
+
+
+def _put_rows(into, rows_b, x):
+    """`into` [B, ...] with rows rows_b [b] set to x [b, ...]; a row index of B or more is dropped
+    (the padding rows of a prefill batch)."""
+    return into.at[rows_b].set(x.astype(into.dtype), mode="drop")
+
+
+def _prefill_insert(params, rows: Rows, nxt: Next, tokens_bW, start_b, at_b, sampling_b: SamplingParams,
+                    *, kv_int8: bool):
+    """Prefill b left-padded prompts of one bucket width W, sample each first token (index 0), and
+    insert each row into the cache's row at_b (B: padding, dropped). Returns (rows, next, first
+    tokens [b], logprobs)."""
+    cfg = params.config
+    b, W = tokens_bW.shape
+    fresh = init_cache(cfg, b, W, params.dtype, start_b, kv_dtype="int8" if kv_int8 else None)
+    logits_bV, fresh = step(params, tokens_bW, fresh, fresh=True)
+    history = (_seen_from_prompt(tokens_bW, start_b, cfg.vocab_size), jnp.zeros((b, cfg.vocab_size), jnp.int32))
+    first_b = _choose(logits_bV, history, sampling_b, 0, EVERY)
+    logprobs = _logprobs(logits_bV, first_b)
+    seen_bV, counts_bV = _record(history, first_b, jnp.ones((b,), bool))
+    cache = rows.cache
+
+    def slots(big, small):  # the row's first W slots, every layer (and int8 scale)
+        return big.at[at_b, :, :W].set(small, mode="drop")
+    many = lambda big, small: None if big is None else [slots(x, y) for x, y in zip(big, small, strict=True)]
+    cache = cache.replace(k=many(cache.k, fresh.k), v=many(cache.v, fresh.v),
+                          k_scale=many(cache.k_scale, fresh.k_scale), v_scale=many(cache.v_scale, fresh.v_scale),
+                          start=_put_rows(cache.start, at_b, fresh.start), end=_put_rows(cache.end, at_b, fresh.end))
+    rows = Rows(cache, _put_rows(rows.seen, at_b, seen_bV), _put_rows(rows.counts, at_b, counts_bV))
+    nxt = Next(_put_rows(nxt.tokens, at_b, first_b), _put_rows(nxt.index, at_b, jnp.ones((b,), jnp.int32)),
+               jax.tree.map(lambda x, y: _put_rows(x, at_b, y), nxt.sampling, sampling_b))
+    return rows, nxt, first_b, logprobs
+
+
+def _chunk(params, stage: Rows, tokens_1C, start_1, *, first: bool):
+    """One chunk of a long prompt into the one-row staging cache (the first: fresh, its left padding
+    before start_1); returns the staging state."""
+    cfg = params.config
+    cache = stage.cache
+    if first:
+        cache = cache.replace(start=start_1, end=jnp.zeros_like(cache.end))
+        seen = _seen_from_prompt(tokens_1C, start_1, cfg.vocab_size)
+    else:
+        seen = stage.seen | _seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size)
+    _, cache = step(params, tokens_1C, cache, fresh=first)
+    return stage.replace(cache=cache, seen=seen)
+
+
+def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sampling_1: SamplingParams):
+    """The last chunk of a long prompt: run it on the staging cache, sample the first token and
+    insert the staged row into the cache's row `at` (traced). Returns (rows, next, first token [1],
+    logprobs)."""
+    cfg = params.config
+    logits_1V, staged = step(params, tokens_1C, stage.cache)
+    history = (stage.seen | _seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size),
+               jnp.zeros((1, cfg.vocab_size), jnp.int32))
+    first_1 = _choose(logits_1V, history, sampling_1, 0, EVERY)
+    logprobs = _logprobs(logits_1V, first_1)
+    seen_1V, counts_1V = _record(history, first_1, jnp.ones((1,), bool))
+    at_1 = jnp.reshape(at, (1,))
+    rows = Rows(insert(rows.cache, staged, at), _put_rows(rows.seen, at_1, seen_1V),
+                _put_rows(rows.counts, at_1, counts_1V))
+    nxt = Next(_put_rows(nxt.tokens, at_1, first_1), _put_rows(nxt.index, at_1, jnp.ones((1,), jnp.int32)),
+               jax.tree.map(lambda x, y: _put_rows(x, at_1, y), nxt.sampling, sampling_1))
+    return rows, nxt, first_1, logprobs
+
+
+def _decode(params, rows: Rows, nxt: Next, active_B, rotation, *, flags: SamplingFlags, logprobs: bool):
+    """One token for every row (free rows emptied first: they write slot 0 and read nothing).
+    Returns (rows, next, tokens [B], logprobs or None)."""
+    cache = release(rows.cache, ~active_B)
+    logits_BV, cache = step(params, nxt.tokens[:, None], cache, rotation=rotation)
+    history = (rows.seen, rows.counts)
+    token_B = _choose(logits_BV, history, nxt.sampling, nxt.index, flags)
+    if not flags.greedy:  # the greedy program runs only while no running row reads a history
+        history = _record(history, token_B, active_B)
+    rows = Rows(cache, *history)
+    return rows, Next(token_B, nxt.index + 1, nxt.sampling), token_B, \
+        _logprobs(logits_BV, token_B) if logprobs else None
+
+
+def _donated(*argnums) -> tuple[int, ...]:
+    # CPU cannot donate buffers (and warns each call); on a GPU the cache is updated in place.
+    return () if jax.default_backend() == "cpu" else argnums
+
+
+# --- the host side ---------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Running:
+    rid: int
+    request: Request
+    on_event: OnEvent
+    stops: frozenset
+    row: int = -1
+    made: int = 0  # tokens emitted
+    done: bool = False
+    chunks: list = field(default_factory=list)  # a long prompt's chunks still to prefill
+    chunked: int = 0  # and how many it has prefilled
+
+
+@dataclass
+class _Pending:
+    """A dispatched call whose tokens the host has not read yet: the request of each of its rows
+    as they were when it was dispatched (None: a free or padding row)."""
+
+    owners: list
+    tokens: jax.Array
+    logprobs: tuple | None
+
+
+def _sampling_values(requests: list[Request | None]) -> SamplingParams:
+    """The rows' settings as numpy arrays (None: a padding row, greedy)."""
+    neutral = Request((0,), 1)
+    rs = [r or neutral for r in requests]
+    config = SamplingConfig(*(tuple(getattr(r, name) for r in rs) for name in (
+        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "seed")))
+    return config.values(len(rs))
+
+
+class BatchingEngine:
+    """Continuous batching on one engine thread (see the module docstring)."""
+
+    def __init__(self, params, *, max_slots: int = 8, max_context: int | None = None, max_queued: int = 64,
+                 prefill_chunk: int = 512, prefill_batches: tuple[int, ...] = (1, 4, 16),
+                 eos_token_ids=(), kv_dtype=None, load: Callable[[], object] | None = None):
+        """`params` may be None with `load` given: `start()` calls `load()` for them (a server
+        answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
+        `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
+        `max_queued` more wait. Prompts of more than `prefill_chunk` tokens (a bucket length: a
+        power of two >= 16, or a multiple of 1024) are prefilled in chunks of that many between
+        decode steps; shorter ones in batches of `prefill_batches` rows of one bucket width, as
+        many rows as fit in `prefill_chunk` tokens. A request stops at `eos_token_ids` and the
+        model's own EOS ids unless it says `ignore_eos`."""
+        for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
+        if prefill_chunk < MIN_BUCKET or bucket(prefill_chunk) != prefill_chunk:
+            raise ValueError(f"prefill_chunk must be a power of two >= {MIN_BUCKET} or a multiple of 1024, "
+                             f"got {prefill_chunk}")
+        if not prefill_batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                      for b in prefill_batches):
+            raise ValueError(f"prefill_batches must be whole numbers >= 1, got {prefill_batches!r}")
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 2):
+            raise ValueError(f"max_context must be a whole number >= 2, got {max_context!r}")
+        if params is None and load is None:
+            raise ValueError("BatchingEngine needs params, or load to make them")
+        self._params, self._load = params, load
+        self._eos = tuple(eos_token_ids)
+        self.max_slots, self.max_context, self.max_queued = max_slots, max_context, max_queued
+        self.prefill_chunk = prefill_chunk
+        self._batches = tuple(sorted(set(b for b in prefill_batches if b <= max_slots) | {1}))
+        self._kv_dtype = kv_dtype
+        self.on_failure: Callable[[str], None] | None = None
+        self._cond = threading.Condition(threading.RLock())
+        self._waiting: collections.deque[_Running] = collections.deque()
+        self._aborts: set[int] = set()
+        self._abort_all = False
+        self._owner: list[_Running | None] = [None] * max_slots  # the request of each row
+        self._staging: _Running | None = None  # the long prompt being prefilled in chunks
+        self._chunk_turn = True  # whether its next chunk goes before short prompts' prefill
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._next_id = 0
+        self._closing = False
+        self._failed: str | None = None
+        self._ready = False
+        self._thread: threading.Thread | None = None
+        self._compilations = 0
+        self._counters = dict(decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0, occupied_rows=0,
+                              host_s=0.0, wait_s=0.0)
+        global _listening
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+            _listening = True
+
+    # --- the contract -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self._failed is None and not self._closing
+
+    def start(self) -> None:
+        _counting.engine = self
+        try:
+            if self._params is None:
+                self._params = self._load()
+            cfg = self._params.config
+            context = cfg.max_position_embeddings
+            self.max_context = min(self.max_context or context, context)
+            # Left padding to a bucket (at most the chunk, and less than the prompt) sits before a row's
+            # prompt; one more slot for the step that runs after a row's last token; a multiple of
+            # 128 as the decode attention kernel's blocks want (kernels.decode_attention_mode).
+            length = self.max_context + min(self.prefill_chunk, self.max_context) + 1
+            self._length = -(-length // 128) * 128
+            self._stops = frozenset(self._eos) | frozenset(cfg.eos_token_ids)
+            try:  # before the cache is allocated: an out-of-memory error would name no setting
+                check_fit(self._params, self.max_slots, 1, self._length, self._kv_dtype)
+            except ValueError as e:
+                raise ValueError(f"{self.max_slots} slots of {self.max_context} tokens do not fit: {e} "
+                                 f"(fewer slots or a shorter max_context would)") from None
+            self._init_state()
+            self._warm_up()
+        finally:
+            _counting.engine = None
+        self.warmup_compilations = self._compilations
+        self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
+        self._ready = True
+        self._thread.start()
+
+    def submit(self, request: Request, on_event: OnEvent) -> int:
+        if len(request.prompt) + request.max_tokens > self.max_context:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens plus max_tokens={request.max_tokens} "
+                             f"is over the context of {self.max_context} tokens")
+        if not request.prompt:
+            raise ValueError("the prompt is empty: generation needs at least one token")
+        with self._cond:
+            if self._closing or self._failed is not None or not self._ready:
+                raise EngineClosed(self._failed or "the engine is not running")
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this server queues")
+            rid = self._next_id
+            self._next_id += 1
+            stops = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self._stops)
+            self._waiting.append(_Running(rid, request, on_event, stops))
+            self._cond.notify()
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        with self._cond:
+            for item in self._waiting:
+                if item.rid == request_id:
+                    self._waiting.remove(item)
+                    item.done = True
+                    item.on_event(Event(finish_reason="abort"))
+                    return
+            self._aborts.add(request_id)
+            self._cond.notify()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop admitting; let running and waiting requests finish for `timeout` seconds (None:
+        until done), then abort what is left and join the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        with self._cond:
+            self._abort_all = True
+            self._cond.notify()
+        self._thread.join()
+
+    def stats(self) -> dict:
+        with self._cond:
+            in_rows = sum(o is not None for o in self._owner)
+            c = self._counters
+            return dict(running=in_rows, waiting=len(self._waiting), slots_in_use=in_rows,
+                        max_slots=self.max_slots, compilations=self._compilations,
+                        warmup_compilations=getattr(self, "warmup_compilations", None), failed=self._failed,
+                        **c, mean_occupancy=c["occupied_rows"] / max(c["decode_steps"], 1) / self.max_slots)
+
+    # --- device state and programs ------------------------------------------------------------
+
+    def _init_state(self) -> None:
+        p, B = self._params, self.max_slots
+        V = p.config.vocab_size
+        self._rows = Rows(init_cache(p.config, B, self._length, p.dtype, kv_dtype=self._kv_dtype),
+                          jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32))
+        self._next = jax.device_put(Next(np.zeros((B,), np.int32), np.zeros((B,), np.int32),
+                                         _sampling_values([None] * B)))
+        self._stage = Rows(init_cache(p.config, 1, self._length, p.dtype, kv_dtype=self._kv_dtype),
+                           jnp.zeros((1, V), bool), jnp.zeros((1, 0), jnp.int32))
+        self._rotation = rotation_table(p.config, self._length) if p.tp is None else None
+        int8 = is_int8(self._kv_dtype)
+        self._prefill_fn = jax.jit(partial(_prefill_insert, kv_int8=int8), donate_argnums=_donated(1))
+        self._chunk_fns = {first: jax.jit(partial(_chunk, first=first), donate_argnums=_donated(1))
+                           for first in (True, False)}
+        self._chunk_insert_fn = jax.jit(_chunk_insert, donate_argnums=_donated(1))
+        self._decode_fn = jax.jit(_decode, donate_argnums=_donated(1), static_argnames=("flags", "logprobs"))
+
+    def _widths(self) -> list[int]:
+        widths, w = [], MIN_BUCKET
+        while w <= min(self.prefill_chunk, bucket(self.max_context)):
+            widths.append(w)
+            w = bucket(w + 1)
+        return widths
+
+    def _batch_sizes(self, width: int) -> list[int]:
+        """Prefill batch sizes for prompts of one bucket width: at most a chunk's tokens at once."""
+        return [b for b in self._batches if b == 1 or b * width <= self.prefill_chunk]
+
+    def _warm_up(self) -> None:
+        """Run every program once on padding rows (dropped) and free rows: prefill for each width
+        and batch size, the chunk programs, the four decode programs."""
+        B = self.max_slots
+        pad = self._params.config.pad_id
+        for width in self._widths():
+            for b in self._batch_sizes(width):
+                self._rows, self._next, *_ = self._prefill_fn(
+                    self._params, self._rows, self._next, np.full((b, width), pad, np.int32),
+                    np.zeros((b,), np.int32), np.full((b,), B, np.int32), _sampling_values([None] * b))
+        if self.max_context > self.prefill_chunk:
+            C = self.prefill_chunk
+            tokens = np.full((1, C), pad, np.int32)
+            self._stage = self._chunk_fns[True](self._params, self._stage, tokens, np.zeros((1,), np.int32))
+            self._stage = self._chunk_fns[False](self._params, self._stage, tokens, None)
+            self._rows, self._next, *_ = self._chunk_insert_fn(
+                self._params, self._rows, self._next, self._stage, tokens, np.int32(0), _sampling_values([None]))
+        for flags in (GREEDY, EVERY):
+            for logprobs in (False, True):
+                self._rows, self._next, *_ = self._decode_fn(
+                    self._params, self._rows, self._next, np.zeros((B,), bool), self._rotation,
+                    flags=flags, logprobs=logprobs)
+        jax.block_until_ready(self._rows)
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        return not (self._waiting or self._staging or self._pending or self._aborts
+                    or any(o is not None for o in self._owner))
+
+    def _loop(self) -> None:
+        _counting.engine = self
+        try:
+            while True:
+                with self._cond:
+                    while self._idle() and not self._closing:
+                        self._cond.wait()
+                    if self._idle():  # closing and nothing left
+                        return
+                    started = time.perf_counter()
+                    self._take_aborts()
+                    admitted = self._admit()
+                self._iterate(admitted)
+                self._counters["host_s"] += time.perf_counter() - started
+        except BaseException:
+            self._fail(traceback.format_exc(limit=6))
+
+    def _take_aborts(self) -> None:
+        """Under the lock: end aborted requests (all of them after shutdown's timeout) and free
+        their rows before the next dispatch."""
+        if self._abort_all:
+            for item in self._waiting:
+                item.done = True
+                item.on_event(Event(finish_reason="abort"))
+            self._waiting.clear()
+        for item in [*self._owner, self._staging]:
+            if item is not None and (self._abort_all or item.rid in self._aborts):
+                self._end(item, Event(finish_reason="abort"))
+        self._aborts.clear()
+
+    def _end(self, item: _Running, event: Event) -> None:
+        item.done = True
+        if self._owner[item.row] is item:
+            self._owner[item.row] = None
+        if self._staging is item:
+            self._staging = None
+        item.on_event(event)
+
+    def _admit(self) -> list[_Running]:
+        """Under the lock: the requests to prefill now. The first waiting request (a long one
+        starts staging) and, behind it, waiting requests of its bucket width, up to the largest
+        batch size that fits the free rows. While a long prompt stages, its chunks take every
+        other iteration, short prompts the others: neither waits for the other to finish."""
+        if not self._waiting or self._staging is not None and self._chunk_turn:
+            return []
+        free = [r for r, o in enumerate(self._owner) if o is None]
+        if not free:
+            return []
+        short = [w for w in self._waiting if len(w.request.prompt) <= self.prefill_chunk]
+        head = self._waiting[0] if self._staging is None else short[0] if short else None
+        if head is None:
+            return []
+        P = len(head.request.prompt)
+        if P > self.prefill_chunk:
+            self._waiting.popleft()
+            C = self.prefill_chunk
+            width = -(-P // C) * C
+            tokens = np.full((width,), self._params.config.pad_id, np.int32)
+            tokens[width - P:] = head.request.prompt
+            head.chunks = [tokens[i:i + C] for i in range(0, width, C)]
+            head.row = free[0]
+            self._owner[head.row] = head
+            self._staging = head
+            return [head]
+        width = bucket(P)
+        room = min(max(self._batch_sizes(width)), len(free))
+        taken = [w for w in short if bucket(len(w.request.prompt)) == width][:room]
+        for item, row in zip(taken, free):
+            self._waiting.remove(item)
+            item.row = row
+            self._owner[row] = item
+        return taken
+
+    def _iterate(self, admitted: list[_Running]) -> None:
+        """Dispatch this iteration's prefill (or chunk) and decode step, then read every call but
+        the newest, which runs while the host works."""
+        if admitted and admitted[0] is not self._staging:
+            self._prefill(admitted)
+            self._chunk_turn = True
+        elif self._staging is not None:
+            self._prefill_chunk(self._staging)
+            self._chunk_turn = False
+        active = np.array([o is not None and self._staging is not o for o in self._owner])
+        if active.any():
+            requests = [o.request for o, a in zip(self._owner, active) if a]
+            flags = EVERY if any(r.temperature > 0 or r.repetition_penalty != 1 or r.presence_penalty != 0
+                                 or r.frequency_penalty != 0 for r in requests) else GREEDY
+            logprobs = any(r.logprobs is not None for r in requests)
+            self._rows, self._next, tokens, lp = self._decode_fn(
+                self._params, self._rows, self._next, active, self._rotation, flags=flags, logprobs=logprobs)
+            self._pending.append(_Pending([o if a else None for o, a in zip(self._owner, active)], tokens, lp))
+            self._counters["decode_steps"] += 1
+            self._counters["occupied_rows"] += int(active.sum())
+        while len(self._pending) > (1 if active.any() else 0):
+            self._deliver(self._pending.popleft())
+
+    def _prefill(self, items: list[_Running]) -> None:
+        width = bucket(max(len(i.request.prompt) for i in items))
+        b = min(s for s in self._batch_sizes(width) if s >= len(items))
+        pad = self._params.config.pad_id
+        tokens = np.full((b, width), pad, np.int32)
+        start = np.zeros((b,), np.int32)
+        at = np.full((b,), self.max_slots, np.int32)
+        for j, item in enumerate(items):
+            P = len(item.request.prompt)
+            tokens[j, width - P:] = item.request.prompt
+            start[j], at[j] = width - P, item.row
+        self._rows, self._next, first, lp = self._prefill_fn(
+            self._params, self._rows, self._next, tokens, start, at,
+            _sampling_values([i.request for i in items] + [None] * (b - len(items))))
+        self._pending.append(_Pending(list(items) + [None] * (b - len(items)), first, lp))
+        self._counters["prefill_calls"] += 1
+
+    def _prefill_chunk(self, item: _Running) -> None:
+        tokens = item.chunks.pop(0)[None]
+        if item.chunks:
+            first = item.chunked == 0
+            item.chunked += 1
+            P = len(item.request.prompt)
+            start = np.array([-P % self.prefill_chunk], np.int32)
+            self._stage = self._chunk_fns[first](self._params, self._stage, tokens, start if first else None)
+            self._counters["chunk_calls"] += 1
+            return
+        self._rows, self._next, first, lp = self._chunk_insert_fn(
+            self._params, self._rows, self._next, self._stage, tokens, np.int32(item.row),
+            _sampling_values([item.request]))
+        with self._cond:
+            if self._staging is item:
+                self._staging = None
+        self._pending.append(_Pending([item], first, lp))
+        self._counters["chunk_calls"] += 1
+
+    def _deliver(self, pending: _Pending) -> None:
+        """Read one call's tokens (one device_get) and give each row's request its event."""
+        waited = time.perf_counter()
+        tokens, lp = jax.device_get((pending.tokens, pending.logprobs))
+        self._counters["wait_s"] += time.perf_counter() - waited
+        with self._cond:
+            for j, item in enumerate(pending.owners):
+                if item is None or item.done:
+                    continue
+                token = int(tokens[j])
+                logprobs = None
+                if item.request.logprobs is not None:
+                    k = item.request.logprobs
+                    chosen, top, ids = (x[j] for x in lp)
+                    logprobs = [TokenLogprob(token, float(chosen), tuple(
+                        (int(t), float(p)) for t, p in zip(ids[:k], top[:k])))]
+                item.made += 1
+                self._counters["tokens"] += 1
+                finish = "stop" if token in item.stops else \
+                    "length" if item.made == item.request.max_tokens else None
+                if finish:
+                    self._end(item, Event([token], logprobs, finish))
+                else:
+                    item.on_event(Event([token], logprobs))
+
+    def _fail(self, error: str) -> None:
+        with self._cond:
+            self._failed = error.strip().splitlines()[-1] or "engine failed"
+            self._ready = False
+            open_requests = [*self._waiting, *(o for o in self._owner if o is not None)]
+            self._waiting.clear()
+            self._owner = [None] * self.max_slots
+            self._staging = None
+            self._pending.clear()
+            for item in open_requests:
+                if not item.done:
+                    item.done = True
+                    item.on_event(Event(finish_reason="error", error=self._failed))
+        if self.on_failure is not None:
+            self.on_failure(self._failed)

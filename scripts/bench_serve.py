@@ -1,0 +1,407 @@
+#!/usr/bin/env python
+"""Benchmark serving under load: one JSON line per mode on stdout, the rest on stderr.
+
+    python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 1000 --rate inf
+    python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 1000 --rate 4
+    python scripts/bench_serve.py --preset tiny --dtype float32 --requests 8 --max-slots 4 --max-context 256 \\
+        --input-len 8,64 --output-len 8,32      # a CPU smoke run
+
+A seeded workload: --requests requests, input and output lengths uniform in --input-len and
+--output-len (inclusive; cut so input + output <= --max-context), random token ids, greedy,
+`ignore_eos` (every request makes all its output tokens), arrivals Poisson at --rate requests/s
+(inf: all at once). Weights are random of a --preset's shape, or a --model checkpoint.
+
+Modes (--mode, a comma list, run in this order on the same requests):
+  engine  the continuous-batching engine in-process (jaxllm.Engine), no HTTP;
+  http    the same engine behind `jaxllm serve`'s app on uvicorn (127.0.0.1), each request a
+          streaming /v1/completions POST (with stream_options.include_usage) from an asyncio client;
+          its tokenizer is a stand-in that writes each id as text, so every token is one SSE chunk;
+          the client runs in a process of its own;
+  static  `jaxllm.generate` on the requests in arrival order, batches of --max-slots rows, each
+          batch to its longest output (every shape warmed up first; a request's tokens all come
+          when its batch ends: its TTFT is its e2e).
+
+JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk,
+requests, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens, output_tokens,
+request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
+(TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
+http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
+running / max_slots, mean over decode steps), host_ms_per_step (the engine thread's time per
+iteration outside its waits on the device), device_wait_ms_per_step; errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def log(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH with 1 <= LOW <= HIGH, got {text}")
+    return lo, hi
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text}")
+    return value
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="tiny", help="a model shape with random weights (default: tiny)")
+    src.add_argument("--model", help="a checkpoint to load: HF directory or .gguf file")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default: bfloat16 on a GPU, float32 elsewhere")
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--rate", type=_rate, default=math.inf, help="requests per second, Poisson (default: inf)")
+    p.add_argument("--input-len", type=_pair, default=(32, 512), metavar="LOW,HIGH")
+    p.add_argument("--output-len", type=_pair, default=(32, 512), metavar="LOW,HIGH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", default="engine,http,static",
+                   help="a comma list of engine, http, static (default: all three)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds a mode may take (default: 3600)")
+    args = p.parse_args(argv)
+    modes = args.mode.split(",")
+    if not modes or any(m not in ("engine", "http", "static") for m in modes):
+        p.error(f"--mode must be a comma list of engine, http, static, got {args.mode}")
+    args.modes = [m for m in ("engine", "http", "static") if m in modes]
+    if args.requests < 1 or args.max_slots < 1 or args.max_context < 2:
+        p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
+    return args
+
+
+def workload(args, vocab: int) -> list[dict]:
+    """The seeded requests: prompt ids, output length, arrival time (s from the start)."""
+    rng = np.random.default_rng(args.seed)
+    gaps = np.zeros(args.requests) if math.isinf(args.rate) else rng.exponential(1 / args.rate, args.requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    jobs = []
+    for i in range(args.requests):
+        n_in = int(rng.integers(args.input_len[0], args.input_len[1] + 1))
+        n_out = int(rng.integers(args.output_len[0], args.output_len[1] + 1))
+        n_in = min(n_in, args.max_context - 1)
+        n_out = max(1, min(n_out, args.max_context - n_in))
+        jobs.append(dict(prompt=[int(t) for t in rng.integers(3, vocab, n_in)], n_out=n_out,
+                         arrival=float(arrivals[i])))
+    return jobs
+
+
+def _percentiles(name: str, values_s) -> dict:
+    v = np.asarray(values_s, np.float64) * 1e3
+    return {f"{name}_ms_p{q}": (round(float(np.percentile(v, q)), 3) if v.size else None) for q in (50, 90, 99)}
+
+
+def summarize(jobs, records, duration_s: float, streamed: bool = True) -> dict:
+    """records[i]: (arrival time, token times) on one clock; a request's latencies from its arrival."""
+    ttft, tpot, itl, e2e = [], [], [], []
+    out_tokens = 0
+    for (t0, times) in records:
+        if not times:
+            continue
+        out_tokens += len(times)
+        ttft.append(times[0] - t0)
+        e2e.append(times[-1] - t0)
+        if len(times) > 1 and streamed:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            itl.extend(np.diff(times))
+    return dict(duration_s=round(duration_s, 3), input_tokens=sum(len(j["prompt"]) for j in jobs),
+                output_tokens=out_tokens, request_throughput=round(len(e2e) / duration_s, 3),
+                output_tokens_per_s=round(out_tokens / duration_s, 1),
+                **_percentiles("ttft", ttft), **_percentiles("tpot", tpot), **_percentiles("itl", itl),
+                **_percentiles("e2e", e2e))
+
+
+def engine_fields(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in ("compilations", "decode_steps", "prefill_calls", "chunk_calls",
+                                            "occupied_rows", "host_s", "wait_s")}
+    iterations = max(d["decode_steps"], 1)
+    return dict(compilations_during_run=d["compilations"], decode_steps=d["decode_steps"],
+                prefill_calls=d["prefill_calls"], chunk_calls=d["chunk_calls"],
+                mean_occupancy=round(d["occupied_rows"] / iterations / after["max_slots"], 4),
+                host_ms_per_step=round((d["host_s"] - d["wait_s"]) / iterations * 1e3, 4),
+                device_wait_ms_per_step=round(d["wait_s"] / iterations * 1e3, 4))
+
+
+def run_engine(engine, jobs, timeout: float):
+    """Submit each job at its arrival time from this thread; tokens timed in on_event."""
+    from jaxllm.engine.api import Request
+
+    records = [(0.0, []) for _ in jobs]
+    done = threading.Semaphore(0)
+    errors = []
+
+    def listener(i):
+        def on_event(event):
+            now = time.perf_counter()
+            records[i][1].extend([now] * len(event.token_ids))
+            if event.finish_reason is not None:
+                if event.finish_reason not in ("length", "stop"):
+                    errors.append(f"request {i}: {event.finish_reason} {event.error or ''}")
+                done.release()
+        return on_event
+
+    start = time.perf_counter()
+    for i, job in enumerate(jobs):
+        wait = start + job["arrival"] - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        records[i] = (time.perf_counter(), [])
+        engine.submit(Request(tuple(job["prompt"]), job["n_out"], ignore_eos=True), listener(i))
+    deadline = start + timeout
+    for _ in jobs:
+        if not done.acquire(timeout=max(deadline - time.perf_counter(), 0)):
+            errors.append("timed out")
+            break
+    return records, time.perf_counter() - start, errors
+
+
+class IdTokenizer:
+    """A stand-in tokenizer for random weights: each id is the text ' <id>'."""
+
+    chat_template = None
+    eos_token_ids = ()
+
+    def __init__(self, vocab: int):
+        self.vocab_size = vocab
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {int(i)}" for i in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
+
+
+async def _stream(port: int, body: bytes, times: list, usage: dict) -> int:
+    """POST a streaming completion over a raw HTTP/1.1 connection; time every SSE chunk with text."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        key, _, value = line.decode().partition(":")
+        headers[key.strip().lower()] = value.strip()
+    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+    buffer = b""
+    while True:
+        if chunked:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+        else:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+        buffer += data
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            payload = event.decode().removeprefix("data: ").strip()
+            if payload == "[DONE]" or not payload:
+                continue
+            message = json.loads(payload)
+            if message.get("usage"):
+                usage.update(message["usage"])
+            if any(c.get("text") for c in message.get("choices", [])):
+                times.append(time.perf_counter())
+    writer.close()
+    return status
+
+
+def _raise_open_files() -> None:
+    """Each request holds a socket in the client and one in the server: the soft limit on open
+    files (often 1024) up to the hard one."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def http_client(port: int, jobs, timeout: float):
+    """Send every job at its arrival time as a streaming completion; (records, duration, errors)."""
+
+    async def client():
+        records = [(0.0, []) for _ in jobs]
+        errors = []
+        start = time.perf_counter()
+
+        async def one(i, job):
+            await asyncio.sleep(max(start + job["arrival"] - time.perf_counter(), 0))
+            times, usage = [], {}
+            records[i] = (time.perf_counter(), times)
+            body = json.dumps(dict(model="bench", prompt=job["prompt"], max_tokens=job["n_out"], temperature=0,
+                                   ignore_eos=True, stream=True, stream_options=dict(include_usage=True)))
+            try:
+                status = await _stream(port, body.encode(), times, usage)
+                if status != 200 or usage.get("completion_tokens") != job["n_out"]:
+                    errors.append(f"request {i}: HTTP {status}, usage {usage}")
+            except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+                errors.append(f"request {i}: {type(e).__name__}: {e}")
+        try:
+            await asyncio.wait_for(asyncio.gather(*(one(i, j) for i, j in enumerate(jobs))), timeout)
+        except asyncio.TimeoutError:
+            errors.append("timed out")
+        return records, time.perf_counter() - start, errors
+
+    _raise_open_files()
+    return asyncio.run(client())
+
+
+def run_http(engine, jobs, vocab: int, timeout: float):
+    import uvicorn
+
+    _raise_open_files()
+
+    from jaxllm.server.app import create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(engine, IdTokenizer(vocab), "bench", start_engine=False, max_n=1)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=60,
+                                           limit_concurrency=None, backlog=4096))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.05)
+
+    # The client runs in a process of its own, as a user's would: parsing every stream's chunks
+    # here would take the interpreter lock from the engine thread and the server.
+    import concurrent.futures
+    import multiprocessing
+    try:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(http_client, port, jobs, timeout).result()
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def run_static(params, jobs, batch: int):
+    """generate over the jobs in arrival order, `batch` rows at a time; each row's tokens at the end
+    of its batch. Every batch shape runs once untimed first (compilation)."""
+    import jaxllm
+
+    groups = [jobs[i:i + batch] for i in range(0, len(jobs), batch)]
+
+    def call(group):
+        out = jaxllm.generate(params, [j["prompt"] for j in group], max_new_tokens=max(j["n_out"] for j in group),
+                              eos_token_ids=[])
+        out.tokens.block_until_ready()
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one compilation a shape is this mode's expected cost
+        seen = set()
+        for group in groups:
+            shape = (len(group), jaxllm.engine.generate.bucket(max(len(j["prompt"]) for j in group)),
+                     jaxllm.engine.generate.bucket(max(j["n_out"] for j in group)))
+            if shape not in seen:
+                seen.add(shape)
+                call(group)
+        start = time.perf_counter()
+        records = []
+        for group in groups:
+            arrived = max(start + j["arrival"] for j in group)  # a batch starts when its last row came
+            wait = arrived - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            call(group)
+            now = time.perf_counter()
+            records.extend((start + j["arrival"], [now] * j["n_out"]) for j in group)
+    return records, time.perf_counter() - start, []
+
+
+def _git() -> str | None:
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                           capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    import jaxllm
+    from jaxllm.engine.batching import BatchingEngine
+    from jaxllm.tools import presets
+
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    if args.model:
+        params = jaxllm.load(args.model, dtype=dtype)
+    else:
+        params = presets.random_params(presets.get_config(args.preset), seed=args.seed, dtype=jax.numpy.dtype(dtype))
+    cfg = params.config
+    jobs = workload(args, cfg.vocab_size)
+    label = dict(preset=None if args.model else args.preset, model=args.model, device=str(jax.devices()[0]),
+                 dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
+                 prefill_chunk=args.prefill_chunk, requests=args.requests,
+                 rate=None if math.isinf(args.rate) else args.rate, input_len=list(args.input_len),
+                 output_len=list(args.output_len), seed=args.seed)
+    engine = None
+    if {"engine", "http"} & set(args.modes):
+        engine = BatchingEngine(params, max_slots=args.max_slots, max_context=args.max_context,
+                                max_queued=args.requests, prefill_chunk=args.prefill_chunk)
+        started = time.perf_counter()
+        engine.start()
+        label["warmup_s"] = round(time.perf_counter() - started, 2)
+        log(f"engine ready in {label['warmup_s']} s, {engine.stats()['compilations']} compilations")
+    for mode in args.modes:
+        log(f"{mode}: {len(jobs)} requests")
+        before = engine.stats() if engine else None
+        if mode == "engine":
+            records, duration, errors = run_engine(engine, jobs, args.timeout)
+        elif mode == "http":
+            records, duration, errors = run_http(engine, jobs, cfg.vocab_size, args.timeout)
+        else:
+            if engine is not None:  # its cache goes before generate's batches need the memory
+                engine.shutdown(10)
+                engine = None
+                gc.collect()
+            records, duration, errors = run_static(params, jobs, args.max_slots)
+        line = dict(mode=mode, **label, **summarize(jobs, records, duration, streamed=mode != "static"))
+        if mode != "static":
+            line.update(engine_fields(before, engine.stats()))
+        line["errors"] = errors[:5] + ([f"... {len(errors) - 5} more"] if len(errors) > 5 else [])
+        print(json.dumps(line), flush=True)
+    if engine is not None:
+        engine.shutdown(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""scripts/bench_serve.py's smoke run: a few requests on the tiny preset, every mode."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_every_mode_on_the_same_requests():
+    pytest.importorskip("uvicorn")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "6",
+         "--max-slots", "4", "--max-context", "128", "--prefill-chunk", "32", "--input-len", "4,48",
+         "--output-len", "2,16", "--rate", "50"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["mode"] for line in lines] == ["engine", "http", "static"]
+    tokens = {line["output_tokens"] for line in lines}
+    assert len(tokens) == 1 and tokens.pop() > 6  # every mode made every request's tokens
+    for line in lines:
+        assert line["errors"] == [] and line["ttft_ms_p50"] > 0
+    for line in lines[:2]:
+        assert line["compilations_during_run"] == 0
+        assert line["decode_steps"] > 0 and 0 < line["mean_occupancy"] <= 1
+        assert line["chunk_calls"] > 0  # prompts over 32 tokens went in chunks
