@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import runtime
 from jaxllm.engine import memory
 from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
 from jaxllm.engine.memory import check_fit
@@ -28,7 +29,7 @@ from jaxllm.env import env_flag
 from jaxllm.model.cache import init_cache, is_int8
 from jaxllm.model.params import Params, is_quantized, require_params
 from jaxllm.model.transformer import jitted_step, rotation_table, step
-from jaxllm.runtime import AUTOTUNE_OPTIONS, LOOP_GRAPH_OPTIONS, ONE_ROW_OPTIONS, gpu_generation
+from jaxllm.runtime import AUTOTUNE_OPTIONS, LOOP_GRAPH_OPTIONS, ONE_ROW_OPTIONS
 
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile
@@ -210,7 +211,7 @@ def _choice(rows: int = 0, params: Params | None = None) -> tuple[bool, bool]:
     graph = not (kernels_visible() or not env_flag("JAXLLM_LOOP_GRAPH", True)
                  or "xla_gpu_enable_command_buffer" in flags)
     cublas = (rows == 1 and params is not None and params.config.num_experts == 0
-              and gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags
+              and runtime.gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags
               and not is_quantized(params))  # the tree walk last, on GPUs only
     return graph, cublas
 

@@ -16,6 +16,11 @@ from jaxllm.kernels.tuning import KernelTuning, current
 from jaxllm.layers import dense as L
 
 
+def supports(rows: int, digits: bool = False) -> bool:
+    """The kernel's hard limits: any rows and width; the normed row's digits for one row only."""
+    return rows >= 1 and (rows == 1 or not digits)
+
+
 def add_norm(x_MC, delta_MC, norm_C, eps: float, *, mode: str | None = None,
              digits: bool = False, tuning: KernelTuning | None = None):
     """(x + delta, rms_norm(x + delta) with weight norm): the residual stream and the next

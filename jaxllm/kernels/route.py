@@ -15,6 +15,11 @@ from jaxllm.kernels.tuning import KernelTuning, current
 from jaxllm.layers import moe as moe_layers
 
 
+def supports(num_experts: int, experts_per_token: int) -> bool:
+    """The kernel's hard limits: 1 to num_experts experts a token (its one program holds all E)."""
+    return 1 <= experts_per_token <= num_experts
+
+
 def route(x_MD, router_ED, experts_per_token: int, norm_topk_prob: bool, *,
           mode: str | None = None, tuning: KernelTuning | None = None):
     """(experts_MA int32, weights_MA float32) as `layers.route` gives them; with `mode` the

@@ -149,13 +149,14 @@ class StepInputs(NamedTuple):
     down_bounds: tuple | None
 
 
-def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan, fresh: bool = False,
-            rotation=None):
+def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = None,
+            fresh: bool = False, rotation=None):
     """Run all blocks over T new tokens written at each row's cache.end; returns (x_BTD,
     normed_BTD, new cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
     `kernels.DigitRow` for an int8 lm_head that takes them), else None.
 
-    `plan`: the step's `StepPlan` (its kernels, fusions and tensor-parallel axis).
+    `plan`: the step's `StepPlan` (its kernels, fusions and tensor-parallel axis); by default
+    the one `step_plan` makes for these shapes, unsharded.
     `fresh`: the caller guarantees the cache is empty (every end 0), so the tokens attend only among
     themselves: each row is rotated left by its padding, so its prompt starts at index 0 and
     plain causal attention (a fused kernel on GPUs) needs no padding mask; the keys and values go
@@ -165,6 +166,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan, fresh: bo
     """
     cfg = params.config
     B, T = tokens_BT.shape
+    plan = plan or _plan(params, tokens_BT, cache, fresh=fresh)
     axis = plan.axis
     # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
     # where transformers leaves the base alone; the cache length (left padding, bucket slack)
