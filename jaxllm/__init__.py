@@ -9,10 +9,10 @@ Inside `shard_map`, N, K, F are per-device counts.
 
 Layers: a module imports only from its own layer or those before it, and no two modules import
 each other, not even inside a function (tests/test_layering.py holds the same list):
-  env, checks -> layers (dense, quant) -> kernels -> model (config, params, cache, transformer,
-  sharding) -> families (HF config keys, tensor names, GGUF archs per model_type) -> io (hf, gguf,
-  reading, checkpoint, loader, paths, compile_cache) ->
-  text (tokenizer, chat_template) -> engine (sampling, memory, steps, compile, generate, score, batching) ->
+  env, checks -> runtime -> layers (dense, moe, quant) -> kernels (one family a module, tuning) ->
+  model (config, params, cache, plan, transformer, sharding) -> families (HF config keys, tensor
+  names, GGUF archs per model_type) -> io (hf, gguf, reading, checkpoint, loader, paths, compile_cache) ->
+  text (tokenizer, chat_template, detokenize) -> engine (sampling, memory, steps, compile, generate, score, batching) ->
   tools (trace, telemetry, roofline, presets) -> this public API -> cli -> __main__
 """
 

@@ -39,7 +39,7 @@ JSON keys (times in the unit their name says; null when not available on this de
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
 read after the timed generate calls, before the prefill is timed on its own. It includes what
 compiling took: XLA's autotuner, when no compilation cache has the program, held 72-258 MB more
-than generate's run (SmolLM2, Qwen3-0.6B), 0-49 MB since `model.AUTOTUNE_OPTIONS` (the most for
+than generate's run (SmolLM2, Qwen3-0.6B), 0-49 MB since `runtime.AUTOTUNE_OPTIONS` (the most for
 Llama-3.2-1B). activation_bytes is `memory.check_fit`'s bound on one step's activations (the
 prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + that bound on one
 device.
@@ -377,7 +377,7 @@ def measure_floor(nbytes: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.engine.generate import LOOP_GRAPH_OPTIONS
+    from jaxllm.runtime import LOOP_GRAPH_OPTIONS
 
     def read(w):
         def body(_, s):
@@ -598,8 +598,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         generate_s, generate_all = _median_time(generate, args.repeat)
     tokens, start, _ = pad_prompts(params, ids)
     cache_len = tokens.shape[1] + bucket(new)
-    # Memory now: the prefill below, a program of its own, held 1.4-2.7 times what generate's
-    # whole loop did beside the weights (SmolLM2, Qwen3-0.6B; `.device/probe_stage.py`).
+    # Memory now: the prefill below, a program of its own, holds more than generate's whole loop
+    # did beside the weights (docs/performance.md#what-the-columns-mean).
     memory = _memory(params, batch, int(tokens.shape[1]), cache_len, kv_dtype, model_devices)
 
     # Prefill alone: one jitted program that, like generate's, allocates a fresh cache of the
@@ -784,7 +784,6 @@ def main(argv=None) -> int:
     import jaxlib
 
     import jaxllm
-    from jaxllm.layers import dense as layers
     from jaxllm.model.params import quantize_params
 
     dtype = jax.numpy.dtype(args.dtype)
@@ -822,7 +821,7 @@ def main(argv=None) -> int:
         loading["cold"], loading["fresh"] = args.cold, args.fresh
     else:
         cfg = presets.PRESETS[args.preset]
-        if cfg.num_experts and not hasattr(layers, "moe"):
+        if cfg.num_experts and not importlib.util.find_spec("jaxllm.layers.moe"):
             log(f"bench: {args.preset} is a mixture of experts, which is not implemented yet in jaxllm")
             return 2
         t0 = time.perf_counter()

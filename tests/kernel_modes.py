@@ -1,20 +1,43 @@
-"""Running the model with `jaxllm.kernels` switched: spies on its kernel calls, and decode steps
-under each mode of a set of switches, for tests that compare the kernels with XLA's forms."""
+"""Running the model with `jaxllm.kernels` switched: a `KernelTuning` with some knobs changed, spies
+on its kernel calls, and decode steps under each mode of a set of switches, for tests that compare
+the kernels with XLA's forms."""
 
 from __future__ import annotations
+
+import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxllm
-from jaxllm import kernels
+from jaxllm.kernels import tuning as tuning_module
 from jaxllm.model.cache import init_cache
 
+# The kernel families' modules (the package's attributes of the same names are their functions).
+FAMILIES = [sys.modules[f"jaxllm.kernels.{name}"] for name in
+            ("project", "digits", "add_norm", "rows_project", "route", "decode_attention", "common")]
 
-def spy(monkeypatch, name: str, record=lambda *args: 1, module=kernels) -> list:
-    """Wrap module.`name` (kernels' by default) so each call (each trace, for jitted callers)
-    appends record(*args)."""
+
+def tuning() -> tuning_module.KernelTuning:
+    """The process's kernel tuning, as the step plan reads it."""
+    return tuning_module.current()
+
+
+def tune(monkeypatch, **fields):
+    """Run with the process's `KernelTuning` changed in `fields` (jit caches cleared, as kernels
+    called without a tuning read it while traced)."""
+    monkeypatch.setattr(tuning_module, "TUNING", dataclasses.replace(tuning_module.TUNING, **fields))
+    jax.clear_caches()
+
+
+def spy(monkeypatch, name: str, record=lambda *args: 1, module=None) -> list:
+    """Wrap module.`name` (by default the kernel family's module that defines it) so each call
+    (each trace, for jitted callers) appends record(*args)."""
+    if module is None:
+        module = next(m for m in FAMILIES if name in vars(m))
+        name = "digits_call" if name == "_digits_call" else name  # the name project.py calls
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
     return calls
@@ -33,13 +56,11 @@ def prefill_and_decode(params, ids, prompt: int, cache) -> list:
 
 def decode_per_mode(monkeypatch, params, ids, prompt: int, switches, modes=("xla", "interpret")):
     """Prefill ids[:, :prompt] into a float32 cache of 16 slots, then decode the rest one token a
-    step, with every kernel switch in `switches` set to each mode in turn (jit caches cleared
-    around each): [logits [steps, B, V] per mode]."""
+    step, with every kernel switch (a `KernelTuning` field) in `switches` set to each mode in turn
+    (jit caches cleared around each): [logits [steps, B, V] per mode]."""
     runs = []
     for mode in modes:
-        jax.clear_caches()
-        for switch in switches:
-            monkeypatch.setattr(kernels, switch, mode)
+        tune(monkeypatch, **dict.fromkeys(switches, mode))
         cache = init_cache(params.config, ids.shape[0], 16, jnp.float32)
         runs.append(np.stack(prefill_and_decode(params, ids, prompt, cache)[1:]))
     jax.clear_caches()

@@ -369,10 +369,13 @@ def check_decode_kernel_sharded(root: Path) -> str:
     """The Pallas decode-attention kernel (in its interpreter here) runs inside shard_map, on
     each device's KV heads, and the sharded model decodes the unsharded path's tokens. Qwen3
     (head norms in the kernel) on 4 devices."""
+    import dataclasses
+
     import jax
 
     import jaxllm
     from jaxllm import kernels
+    from jaxllm.kernels import tuning
     from jaxllm.model import sharding
 
     path = root / "qwen3"
@@ -384,13 +387,15 @@ def check_decode_kernel_sharded(root: Path) -> str:
         calls.append(args[1].shape)  # the device's cache [B, K, S, H]
         return real(*args, **kwargs)
 
-    kernels.DECODE_ATTENTION, kernels.decode_attention = "interpret", spy
+    stands = tuning.TUNING
+    tuning.TUNING = dataclasses.replace(stands, decode_attention="interpret")
+    kernels.decode_attention = spy
     jax.clear_caches()
     try:
         params = jaxllm.load(path, dtype="float32", mesh=sharding.make_mesh(4))
         out = jaxllm.generate(params, prompts(), max_new_tokens=16, eos_token_ids=())
     finally:
-        kernels.DECODE_ATTENTION, kernels.decode_attention = "auto", real
+        tuning.TUNING, kernels.decode_attention = stands, real
         jax.clear_caches()
     K = params.config.num_kv_heads
     assert calls and all(shape[1] == K // 4 for shape in calls), (calls, K)

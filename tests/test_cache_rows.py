@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import kernels
 from jaxllm.model.cache import init_cache, insert, release, rollback
 from jaxllm.engine.generate import pad_prompts
 from jaxllm.model.transformer import jitted_step
+from kernel_modes import tune
 from tiny_models import random_tokens, rel_err
 
 # (decode attention, kv_dtype): XLA's form, the Pallas kernel interpreted, the int8 cache.
@@ -24,8 +24,7 @@ MODES = [("xla", None), ("interpret", None), ("xla", "int8")]
 def mode(request, monkeypatch):
     """The kv_dtype of a test's caches, decode steps taking the attention the mode names."""
     attention, kv_dtype = request.param
-    jax.clear_caches()
-    monkeypatch.setattr(kernels, "DECODE_ATTENTION", attention)
+    tune(monkeypatch, decode_attention=attention)
     yield kv_dtype
     jax.clear_caches()
 

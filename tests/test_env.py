@@ -82,14 +82,15 @@ def test_a_switch_set_to_garbage_is_named_at_import(name, value, message):
 
 _SWITCHES = """
 import json
-from jaxllm import kernels
 from jaxllm.io import compile_cache
-from jaxllm.layers import dense as layers
+from jaxllm.kernels import TUNING
+from jaxllm.layers import dense, moe
 names = ["DECODE_ATTENTION", "DECODE_PROJECT", "ROWS_PROJECT", "ADD_NORM", "ROUTE", "INT8_CONVERT",
          "PDL_TRIGGER", "INT8_DIGITS", "INT8_HEAD_DIGITS", "INT8_DOWN_DIGITS", "GATE_UP_WIDE",
          "INT8_NORM_APART", "PREFETCH_LINES", "WEIGHTS_FIRST", "SQUARES_LAST", "ADD_NORM_TRIGGER"]
-seen = {n: getattr(kernels, n) for n in names}
-seen.update({n: getattr(layers, n) for n in ["GEMV", "ATTENTION", "GROUPED_GEMM", "MOE_SWIGLU_REDUCE"]})
+seen = {n: getattr(TUNING, n.lower()) for n in names}
+seen.update({n: getattr(dense, n) for n in ["GEMV", "ATTENTION"]})
+seen.update({n: getattr(moe, n) for n in ["GROUPED_GEMM", "MOE_SWIGLU_REDUCE"]})
 seen["NO_COMPILE_CACHE"] = compile_cache._env_off()
 print(json.dumps(seen))
 """

@@ -15,7 +15,7 @@ import pytest
 
 import jaxllm
 from jaxllm.engine.generate import _generate_core, pad_prompts
-from jaxllm.layers import dense as L
+from jaxllm import runtime
 from jaxllm.model import transformer as model
 from jaxllm.model.params import quantize_params
 from tiny_models import hf_greedy, rel_err, random_tokens
@@ -268,7 +268,7 @@ def test_one_row_of_a_dense_model_on_a_gpu_takes_cublas_gemms_only(llama, monkey
     one_row = gen._cores[True, True]
     assert gen._core(1, dense) is gen._generate_core  # on this CPU
     with monkeypatch.context() as m:
-        m.setattr(L, "gpu_generation", lambda: 9)
+        m.setattr(runtime, "gpu_generation", lambda: 9)
         assert gen._core(1, dense) is one_row
         # What bench compiles its prefill with: the options of the loop generate picked.
         assert gen.compiler_options(1, dense) == {**model.AUTOTUNE_OPTIONS, **gen.LOOP_GRAPH_OPTIONS,

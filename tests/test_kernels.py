@@ -1,6 +1,6 @@
 """The Pallas decode kernels against XLA's forms, run in Pallas' interpreter.
 
-On a GPU the kernels run compiled (scripts/gpu_check.py checks them there in bfloat16); here the
+On a GPU the kernels run compiled (tests/gpu checks them there in bfloat16, `pytest -m gpu`); here the
 interpreter executes the same kernel bodies, so their indexing, masking, splits, cache writes and
 epilogues are checked in float32 against the reference functions in `layers`.
 """
@@ -15,12 +15,17 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import kernels
+from jaxllm import kernels, runtime
+from jaxllm.kernels import common
 from jaxllm.layers import dense as L
+from jaxllm.model import plan
 from jaxllm.layers.quant import QuantizedWeight, quantize, weight_leaves
 from jaxllm.model.cache import init_cache
 from jaxllm.model.params import quantize_params
-from kernel_modes import decode_per_mode, prefill_and_decode, spy
+from kernel_modes import decode_per_mode, prefill_and_decode, spy, tune, tuning
+
+project_module = importlib.import_module("jaxllm.kernels.project")
+rows_module = importlib.import_module("jaxllm.kernels.rows_project")
 from tiny_models import random_tokens, rel_err
 
 
@@ -71,7 +76,7 @@ def _attention_inputs(seed, B, K, G, H, S, ends, qk_norm=False):
 @pytest.mark.parametrize("multiprocessors", [1, 10**6])
 def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S, ends, window,
                                      qk_norm):
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: multiprocessors)
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: multiprocessors)
     qkv, k_cache, v_cache, end, start, q_norm, k_norm, inv_freq, rotation = _attention_inputs(
         S + int(np.sum(ends)), B, K, G, H, S, ends, qk_norm)
     out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, end, start, rotation,
@@ -89,8 +94,8 @@ def test_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S
 def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
     """Where the (row, KV head) programs hold ONE_SPLIT_VALUES head values a multiprocessor, each
     streams its row's whole cache: the heads come back combined, with no splits to combine after."""
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 1)
-    monkeypatch.setattr(kernels, "ONE_SPLIT_VALUES", 256)
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 1)
+    tune(monkeypatch, one_split_values=256)
     K, G, H, S, ends = 2, 2, 32, 256, 200  # below the bound, splits of SPLIT_SLOTS (128) slots
     qkv, k_cache, v_cache, end, start, _, _, inv_freq, rotation = _attention_inputs(
         B, B, K, G, H, S, ends)
@@ -108,8 +113,7 @@ def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
 
 def _interpreted(monkeypatch, switch: str):
     """Decode steps take the kernel behind `switch`, interpreted; jit caches cleared around it."""
-    jax.clear_caches()
-    monkeypatch.setattr(kernels, switch, "interpret")
+    tune(monkeypatch, **{switch: "interpret"})
     yield
     jax.clear_caches()
 
@@ -123,21 +127,21 @@ def _interpreted_within(switch: str):
 
 @pytest.fixture
 def kernel_mode(monkeypatch):
-    yield from _interpreted(monkeypatch, "DECODE_ATTENTION")
+    yield from _interpreted(monkeypatch, "decode_attention")
 
 
 def test_auto_mode_keeps_float32_and_cpu_on_xla():
-    assert kernels.DECODE_ATTENTION == "auto"
-    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 384) is None
-    assert kernels.decode_attention_mode(jnp.bfloat16, 64, 64, False, 384) is None  # no GPU here
+    assert tuning().decode_attention == "auto"
+    assert plan.decode_attention_mode(jnp.float32, 64, 64, False, 384) is None
+    assert plan.decode_attention_mode(jnp.bfloat16, 64, 64, False, 384) is None  # no GPU here
 
 
 def test_kernel_refuses_what_it_cannot_run(kernel_mode):
-    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 384) == "interpret"
-    assert kernels.decode_attention_mode(jnp.float32, 64, 64, True, 384) is None  # int8 cache
-    assert kernels.decode_attention_mode(jnp.float32, 64, 32, False, 384) is None  # partial rotary
-    assert kernels.decode_attention_mode(jnp.float32, 96, 96, False, 384) is None  # halves of 48
-    assert kernels.decode_attention_mode(jnp.float32, 64, 64, False, 100) is None  # 100 % 16
+    assert plan.decode_attention_mode(jnp.float32, 64, 64, False, 384) == "interpret"
+    assert plan.decode_attention_mode(jnp.float32, 64, 64, True, 384) is None  # int8 cache
+    assert plan.decode_attention_mode(jnp.float32, 64, 32, False, 384) is None  # partial rotary
+    assert plan.decode_attention_mode(jnp.float32, 96, 96, False, 384) is None  # halves of 48
+    assert plan.decode_attention_mode(jnp.float32, 64, 64, False, 100) is None  # 100 % 16
 
 
 @pytest.mark.slow
@@ -151,8 +155,9 @@ def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch
     want = run()
     loops = importlib.import_module("jaxllm.engine.generate")  # the module; jaxllm.generate is its function
     looped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=loops)
-    stepped = spy(monkeypatch, "rotation_table", lambda cfg, length: length, module=jaxllm.model)
-    with _interpreted_within("DECODE_ATTENTION"):
+    stepped = spy(monkeypatch, "rotation_table", lambda cfg, length: length,
+                  module=importlib.import_module("jaxllm.model.transformer"))
+    with _interpreted_within("decode_attention"):
         np.testing.assert_array_equal(run(), want)
         streamed = list(jaxllm.stream(params, prompts[1], max_new_tokens=12, eos_token_ids=[]))
     assert streamed == want[1].tolist()
@@ -161,7 +166,7 @@ def test_generate_makes_the_rotation_table_once_and_keeps_the_tokens(monkeypatch
 
 @pytest.fixture
 def project_mode(monkeypatch):
-    yield from _interpreted(monkeypatch, "DECODE_PROJECT")
+    yield from _interpreted(monkeypatch, "decode_project")
 
 
 def _decode_matches_forward(m, rows: int = 2, kernels_on=contextlib.nullcontext):
@@ -182,7 +187,7 @@ def _decode_matches_forward(m, rows: int = 2, kernels_on=contextlib.nullcontext)
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_swa", "qwen3"])
 def test_decode_through_the_kernel_matches_the_full_forward(kernel_mode, tiny, name):
     m = tiny(name)
-    assert kernels.decode_attention_mode(jnp.float32, m.params.config.head_dim,
+    assert plan.decode_attention_mode(jnp.float32, m.params.config.head_dim,
                                          m.params.config.head_dim, False, 32) == "interpret"
     _decode_matches_forward(m)
 
@@ -220,8 +225,8 @@ def _project_cases(M):
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [4096, 32])  # the input channels in one load, then in 3
 def test_project_kernel_equals_xla(monkeypatch, chunk):
-    monkeypatch.setattr(kernels, "MAX_CHUNK", chunk)
-    monkeypatch.setattr(kernels, "ONE_CHUNK_CHANNELS", chunk)
+    tune(monkeypatch, max_chunk=chunk)
+    tune(monkeypatch, one_chunk_channels=chunk)
     for name, x, w, kw in _project_cases(1):
         out = kernels.project(x, w, mode="interpret", **kw)
         ref = kernels.project(x, w, mode=None, **kw)
@@ -231,18 +236,18 @@ def test_project_kernel_equals_xla(monkeypatch, chunk):
         # before the products: the same sums, bit for bit.
         first = kernels.project(x, w, mode="interpret", weights_first=True, **kw)
         np.testing.assert_array_equal(np.asarray(first), np.asarray(out), err_msg=name)
-        monkeypatch.setattr(kernels, "SQUARES_LAST", False)
+        tune(monkeypatch, squares_last=False)
         before = kernels.project(x, w, mode="interpret", **kw)
-        monkeypatch.setattr(kernels, "SQUARES_LAST", True)
+        tune(monkeypatch, squares_last=True)
         np.testing.assert_array_equal(np.asarray(before), np.asarray(out), err_msg=name)
         if kw.get("swiglu"):
             # gate/up's rows halved, as where its weights are asked of L2 ahead (16 outputs a
             # program at one chunk here, against the 32 of GATE_UP_WIDE, which the interpreter
             # always takes): XLA's answer too (the bits may differ, the tile's sums vectorized
             # otherwise on the CPU).
-            monkeypatch.setattr(kernels, "GATE_UP_WIDE", False)
+            tune(monkeypatch, gate_up_wide=False)
             halved = kernels.project(x, w, mode="interpret", **kw)
-            monkeypatch.setattr(kernels, "GATE_UP_WIDE", True)
+            tune(monkeypatch, gate_up_wide=True)
             assert rel_err(np.asarray(halved), np.asarray(ref)) < 1e-5, name
 
 
@@ -254,7 +259,7 @@ def _split_heads(splits, K=3, G=3, H=16, seed=0):
     acc, m, l = r(0, (1, splits, K, G, H)), r(1, (1, splits, K, G)), 1 + jnp.abs(r(2, (1, splits, K, G)))
     empty = jnp.arange(splits)[None, :, None, None] == splits - 1
     acc = jnp.where(empty[..., None], 0.0, acc)
-    return kernels.SplitHeads(acc, jnp.where(empty, kernels._NEG, m), jnp.where(empty, 0.0, l),
+    return kernels.SplitHeads(acc, jnp.where(empty, common.NEG, m), jnp.where(empty, 0.0, l),
                               dtype=jnp.float32)
 
 
@@ -283,27 +288,27 @@ def test_split_heads_too_large_for_registers_are_combined_by_xla(monkeypatch):
     combined row; a matrix too large for the kernel: XLA does both."""
     calls = spy(monkeypatch, "_project_kernel_call", record=lambda x, *rest: x)
     heads, w = _split_heads(3), jax.random.normal(jax.random.key(5), (8, 144))
-    assert kernels._heads_values(heads) == 4 * 16 * 16
+    assert project_module.heads_values(heads) == 4 * 16 * 16
     kernels.project(heads, w, mode="interpret")
     assert len(calls) == 1 and isinstance(calls[-1], kernels.SplitHeads)
     ref = kernels.project(heads.combined().reshape(1, 144), w, mode=None)
-    monkeypatch.setattr(kernels, "FUSED_HEADS_VALUES", 4 * 16 * 16 - 1)
+    tune(monkeypatch, fused_heads_values=4 * 16 * 16 - 1)
     out = kernels.project(heads, w, mode="interpret")
     assert len(calls) == 2 and calls[-1].shape == (1, 144)  # the combined row
     assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 8 * 144 - 1)
+    tune(monkeypatch, kernel_max_weights=8 * 144 - 1)
     out = kernels.project(heads, w, mode="interpret")
     assert len(calls) == 2  # the kernel ran no more: XLA combined the splits and projected
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
 def test_project_mode_rules(monkeypatch):
-    assert kernels.DECODE_PROJECT == "auto"
-    assert kernels.decode_project_mode(jnp.float32, 1) is None
-    assert kernels.decode_project_mode(jnp.bfloat16, 1) is None  # no GPU here
-    monkeypatch.setattr(kernels, "DECODE_PROJECT", "interpret")
-    assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
-    assert kernels.decode_project_mode(jnp.float32, 2) is None  # one row only
+    assert tuning().decode_project == "auto"
+    assert plan.decode_project_mode(jnp.float32, 1) is None
+    assert plan.decode_project_mode(jnp.bfloat16, 1) is None  # no GPU here
+    tune(monkeypatch, decode_project="interpret")
+    assert plan.decode_project_mode(jnp.float32, 1) == "interpret"
+    assert plan.decode_project_mode(jnp.float32, 2) is None  # one row only
 
 
 def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
@@ -313,7 +318,7 @@ def test_project_keeps_large_matrices_and_batches_on_xla(monkeypatch):
     kernels.project(x, w, mode="interpret")
     assert len(calls) == 1
     kernels.project(jnp.ones((2, 64)), w, mode="interpret")  # two rows
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 32 * 64 - 1)
+    tune(monkeypatch, kernel_max_weights=32 * 64 - 1)
     kernels.project(x, w, mode="interpret")  # one weight too many
     assert len(calls) == 1
 
@@ -323,8 +328,8 @@ def test_float_rows_up_to_one_chunk_channels_load_in_one_chunk(monkeypatch):
     """A float row of 3072 channels (Qwen3-0.6B's down) loads as one padded chunk of 4096, past
     MAX_CHUNK; one of 8192 in chunks of MAX_CHUNK; int8 rows keep their own tiles. The sums
     match XLA's either way."""
-    chunks, real = [], kernels._project_kernel_call
-    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: chunks.append(
+    chunks, real = [], project_module._project_kernel_call
+    monkeypatch.setattr(project_module, "_project_kernel_call", lambda *a, **k: chunks.append(
         (a[1].shape[-1], k["chunk"], k["rows"])) or real(*a, **k))
     for C in (3072, 8192):
         x = jax.random.normal(jax.random.key(C), (1, C))
@@ -333,24 +338,24 @@ def test_float_rows_up_to_one_chunk_channels_load_in_one_chunk(monkeypatch):
         out = kernels.project(x, w, residual_MN=res, mode="interpret")
         ref = kernels.project(x, w, residual_MN=res, mode=None)
         assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
-    assert chunks == [(3072, 4096, 2), (8192, kernels.MAX_CHUNK, 2)] and kernels.MAX_CHUNK < 4096
+    assert chunks == [(3072, 4096, 2), (8192, tuning().max_chunk, 2)] and tuning().max_chunk < 4096
     kernels.project(jnp.ones((1, 3072)), quantize(jnp.ones((8, 3072))), mode="interpret")
-    assert chunks[-1] == (3072, kernels.MAX_CHUNK, 2)  # int8: as before
-    monkeypatch.setattr(kernels, "ONE_CHUNK_CHANNELS", kernels.MAX_CHUNK)  # the switch off
+    assert chunks[-1] == (3072, tuning().max_chunk, 2)  # int8: as before
+    tune(monkeypatch, one_chunk_channels=tuning().max_chunk)  # the switch off
     kernels.project(jnp.ones((1, 3072)), jnp.ones((8, 3072)), mode="interpret")
-    assert chunks[-1] == (3072, kernels.MAX_CHUNK, 2)
+    assert chunks[-1] == (3072, tuning().max_chunk, 2)
 
 
 @pytest.mark.slow
 def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(monkeypatch):
     """int8 weights take the kernel up to KERNEL_MAX_INT8_WEIGHTS (it converts them without I2F
     on a GPU), those past KERNEL_MAX_WEIGHTS in INT8_TILES; a float matrix that size stays on XLA."""
-    tiles, real = [], kernels._project_kernel_call
-    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: tiles.append(
+    tiles, real = [], project_module._project_kernel_call
+    monkeypatch.setattr(project_module, "_project_kernel_call", lambda *a, **k: tiles.append(
         (k["rows"], k["chunk"], k["warps"])) or real(*a, **k))
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 32 * 64 - 1)
-    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 32 * 64)
-    monkeypatch.setattr(kernels, "INT8_TILES", (8, 32, 2))
+    tune(monkeypatch, kernel_max_weights=32 * 64 - 1)
+    tune(monkeypatch, kernel_max_int8_weights=32 * 64)
+    tune(monkeypatch, int8_tiles=(8, 32, 2))
     key = jax.random.key(3)
     x, w = jax.random.normal(key, (1, 64)), jax.random.normal(jax.random.fold_in(key, 1), (32, 64))
     kernels.project(x, w, mode="interpret")
@@ -361,13 +366,13 @@ def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(mon
     # 96 channels in chunks of at most 64: three whole chunks of 32, not an overlapping second
     # 64; SwiGLU's gate and up each 8 rows a program.
     x96, w96 = jax.random.normal(key, (1, 96)), jax.random.normal(jax.random.fold_in(key, 2), (2, 16, 96))
-    monkeypatch.setattr(kernels, "INT8_TILES", (8, 64, 2))
-    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 2 * 16 * 96)
+    tune(monkeypatch, int8_tiles=(8, 64, 2))
+    tune(monkeypatch, kernel_max_int8_weights=2 * 16 * 96)
     out = kernels.project(x96, quantize(w96), swiglu=True, mode="interpret")
     assert tiles[-1] == (8, 32, 2)
     ref = kernels.project(x96, quantize(w96), swiglu=True, mode=None)
     assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
-    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", 32 * 64 - 1)
+    tune(monkeypatch, kernel_max_int8_weights=32 * 64 - 1)
     kernels.project(x, quantize(w), mode="interpret")
     assert len(tiles) == 2
 
@@ -375,12 +380,12 @@ def test_project_takes_int8_matrices_past_the_float_limit_in_their_own_tiles(mon
 def test_projections_ask_l2_for_the_matrix_read_next(monkeypatch, project_mode, tiny):
     """A batch-1 step's projection kernels each ask L2 for the matrix the step reads next: qkv's
     for o's, o's for gate/up, gate/up's for down, down's for the next layer's qkv, the last
-    layer's for the lm_head (kernels.prefetched says which; here every matrix)."""
+    layer's for the lm_head (plan.prefetched says which; here every matrix)."""
     from jaxllm.model import transformer as model
     asks, real = [], kernels.project
     monkeypatch.setattr(kernels, "project", lambda x, w, **k: asks.append(
         (w.shape, [a.shape for a in k.get("prefetch", ()) if a is not None])) or real(x, w, **k))
-    monkeypatch.setattr(kernels, "prefetched", lambda w: w is not None)
+    monkeypatch.setattr(plan, "prefetched", lambda w, tuning=None: w is not None)
     params = tiny("llama").params
     layer, head = params.layers[0], params.embed if params.lm_head is None else params.lm_head
     cache = init_cache(params.config, 1, 16, jnp.float32)
@@ -401,22 +406,22 @@ def test_prefetch_rules_and_its_lowering(monkeypatch):
     """Matrices of at most PREFETCH_MAX_BYTES are asked for (int8 ones by their bytes), on a GPU
     from Hopper on; the ask lowers to Hopper's bulk L2 prefetch inside the Triton kernel, through
     JAX's Pallas Triton lowering rules (internals: this fails if they change)."""
-    assert kernels._PREFETCH_P is not None
-    limit = kernels.PREFETCH_MAX_BYTES
+    assert common.PREFETCH_P is not None
+    limit = tuning().prefetch_max_bytes
     assert limit == 4 * 2**20
     small, large = jnp.zeros((1024, 2048), jnp.bfloat16), jnp.zeros((1024, 2049), jnp.bfloat16)
-    assert not kernels.prefetched(small)  # no GPU here
-    monkeypatch.setattr(L, "gpu_generation", lambda: 9)
-    assert kernels.prefetched(small) and not kernels.prefetched(large)
-    assert kernels.prefetched(quantize(large.astype(jnp.float32))) and not kernels.prefetched(None)
-    monkeypatch.setattr(kernels, "PREFETCH_MAX_BYTES", 0)
-    assert not kernels.prefetched(small)
-    monkeypatch.setattr(L, "gpu_generation", lambda: 8)
-    monkeypatch.setattr(kernels, "PREFETCH_MAX_BYTES", limit)
-    assert not kernels.prefetched(small)
+    assert not plan.prefetched(small)  # no GPU here
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    assert plan.prefetched(small) and not plan.prefetched(large)
+    assert plan.prefetched(quantize(large.astype(jnp.float32))) and not plan.prefetched(None)
+    tune(monkeypatch, prefetch_max_bytes=0)
+    assert not plan.prefetched(small)
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 8)
+    tune(monkeypatch, prefetch_max_bytes=limit)
+    assert not plan.prefetched(small)
 
     def lowered(*ahead):
-        call = lambda x, w, *a: kernels._project_kernel_call(
+        call = lambda x, w, *a: project_module._project_kernel_call(
             x, w, None, None, None, a, eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
             rows=4, chunk=1024, warps=4, interpret=False)
         args = [jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16),
@@ -429,7 +434,7 @@ def test_prefetch_rules_and_its_lowering(monkeypatch):
 
 def _kernel_reads(weights_first: bool, squares_last: bool = False):
     """The loads (by the shape read) and reductions of a norm + qkv program, in program order."""
-    call = lambda x, w, g: kernels._project_kernel_call(
+    call = lambda x, w, g: project_module._project_kernel_call(
         x, w, g, None, None, (), eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
         rows=4, chunk=1024, warps=4, interpret=False, weights_first=weights_first,
         squares_last=squares_last)
@@ -461,13 +466,13 @@ def test_weights_first_asks_for_every_load_before_any_reduction():
 def test_float_matrices_make_the_squares_last(monkeypatch):
     """`project` asks its kernel for the squares after the products (SQUARES_LAST) for a float
     matrix, not for an int8 one (that order measured slower there), nor with the switch off."""
-    asked, real = [], kernels._project_kernel_call
-    monkeypatch.setattr(kernels, "_project_kernel_call", lambda *a, **k: asked.append(
+    asked, real = [], project_module._project_kernel_call
+    monkeypatch.setattr(project_module, "_project_kernel_call", lambda *a, **k: asked.append(
         k["squares_last"]) or real(*a, **k))
     x, w, g = jnp.ones((1, 64)), jax.random.normal(jax.random.key(0), (32, 64)), jnp.ones((64,))
     kernels.project(x, w, norm_C=g, mode="interpret")
     kernels.project(x, quantize(w), norm_C=g, mode="interpret")
-    monkeypatch.setattr(kernels, "SQUARES_LAST", False)
+    tune(monkeypatch, squares_last=False)
     kernels.project(x, w, norm_C=g, mode="interpret")
     assert asked == [True, False, False]
 
@@ -476,30 +481,30 @@ def test_weights_first_rules(monkeypatch):
     """A layer loads its weights before x only where every projection matrix is a float one that
     `prefetched` asks L2 for: on a GPU from Hopper on, each at most PREFETCH_MAX_BYTES."""
     small, large = jnp.zeros((1024, 2048), jnp.bfloat16), jnp.zeros((1024, 2049), jnp.bfloat16)
-    assert not kernels.weights_first([small])  # no GPU here
-    monkeypatch.setattr(L, "gpu_generation", lambda: 9)
-    assert kernels.weights_first([small, small])
-    assert not kernels.weights_first([small, large])  # one from HBM: as before
-    assert not kernels.weights_first([small, quantize(small.astype(jnp.float32))])  # int8
-    assert not kernels.weights_first([small, None])  # a MoE layer's FFN
+    assert not plan.weights_first([small])  # no GPU here
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    assert plan.weights_first([small, small])
+    assert not plan.weights_first([small, large])  # one from HBM: as before
+    assert not plan.weights_first([small, quantize(small.astype(jnp.float32))])  # int8
+    assert not plan.weights_first([small, None])  # a MoE layer's FFN
     zeros = lambda *shapes: [jnp.zeros(shape, jnp.bfloat16) for shape in shapes]
     # SmolLM2-135M's layer (qkv, o, gate/up, down) qualifies; Qwen3-0.6B's qkv (8 MB) does not.
-    assert kernels.weights_first(zeros((960, 576), (576, 576), (2, 1536, 576), (576, 1536)))
-    assert not kernels.weights_first(zeros((4096, 1024), (1024, 2048), (2, 3072, 1024), (1024, 3072)))
-    monkeypatch.setattr(kernels, "WEIGHTS_FIRST", False)
-    assert not kernels.weights_first([small])
+    assert plan.weights_first(zeros((960, 576), (576, 576), (2, 1536, 576), (576, 1536)))
+    assert not plan.weights_first(zeros((4096, 1024), (1024, 2048), (2, 3072, 1024), (1024, 3072)))
+    tune(monkeypatch, weights_first=False)
+    assert not plan.weights_first([small])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first", [False, True])
 def test_layers_pass_weights_first_to_their_projections(monkeypatch, project_mode, tiny, first):
-    """Each layer's four projection kernels get the layer's `kernels.weights_first`, the lm_head
+    """Each layer's four projection kernels get the layer's `plan.weights_first`, the lm_head
     never; a decode step with weights first matches the full forward."""
     from jaxllm.model import transformer as model
     asked, real = [], kernels.project
     monkeypatch.setattr(kernels, "project", lambda x, w, **k: asked.append(
         k.get("weights_first", False)) or real(x, w, **k))
-    monkeypatch.setattr(kernels, "weights_first", lambda matrices: first and len(matrices) == 4)
+    monkeypatch.setattr(plan, "weights_first", lambda matrices, tuning=None: first and len(matrices) == 4)
     m = tiny("llama")
     cache = init_cache(m.params.config, 1, 16, jnp.float32)
     jax.clear_caches()
@@ -517,9 +522,9 @@ def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kerne
     """qkv bias, o bias, Qwen3's norms and a tied lm_head, sliding windows: every fused form.
     One row: the projection kernel takes batch 1 only. The 32-slot cache splits 4 ways (blocks of
     8 slots, splits of 8), so the o projection combines the attention's splits."""
-    assert kernels.decode_project_mode(jnp.float32, 1) == "interpret"
-    monkeypatch.setattr(kernels, "BLOCK_SLOTS", 8)
-    monkeypatch.setattr(kernels, "SPLIT_SLOTS", 16)
+    assert plan.decode_project_mode(jnp.float32, 1) == "interpret"
+    tune(monkeypatch, block_slots=8)
+    tune(monkeypatch, split_slots=16)
     combined = spy(monkeypatch, "_combined_heads", lambda *a: a[3])  # the splits
     _decode_matches_forward(tiny(name), rows=1)
     assert combined and set(combined) == {4}  # traced with 4 splits
@@ -528,7 +533,7 @@ def test_decode_through_both_kernels_matches_the_full_forward(monkeypatch, kerne
 @pytest.mark.slow
 def test_int8_decode_through_the_projection_kernel_matches_xla(monkeypatch, tiny):
     params = quantize_params(tiny("llama_tied").params)  # the tied table, quantized, is the lm_head
-    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4, ["DECODE_PROJECT"])
+    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4, ["decode_project"])
     assert rel_err(runs[1], runs[0]) < 1e-5
 
 
@@ -541,19 +546,19 @@ def test_int8_decode_norms_apart_from_large_matrices(monkeypatch, tiny, apart, d
     rather than into each of project's programs (INT8_NORM_APART); with INT8_DIGITS, before
     gate/up also as digits, for the tensor-core kernel, and gate/up's output as digits for down
     (INT8_DOWN_DIGITS). Logits as XLA's every way."""
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
-    monkeypatch.setattr(kernels, "INT8_NORM_APART", apart)
-    monkeypatch.setattr(kernels, "INT8_DIGITS", digits)
-    monkeypatch.setattr(kernels, "INT8_DOWN_DIGITS", down)
-    monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide the tiny model
-    monkeypatch.setattr(kernels, "DOWN_DIGIT_TILES", (16, 32, 4, 3))
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 4)  # down's 64 rows: 4 programs
+    tune(monkeypatch, kernel_max_weights=0)
+    tune(monkeypatch, int8_norm_apart=apart)
+    tune(monkeypatch, int8_digits=digits)
+    tune(monkeypatch, int8_down_digits=down)
+    tune(monkeypatch, digit_tiles=(16, 32, 4, 3))  # tiles that divide the tiny model
+    tune(monkeypatch, down_digit_tiles=(16, 32, 4, 3))
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 4)  # down's 64 rows: 4 programs
     params = quantize_params(tiny("llama").params)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     folded = spy(monkeypatch, "_project_kernel_call", lambda x, w, norm_C, *a: norm_C is not None)
     digit_calls = spy(monkeypatch, "_digits_call", lambda row, w, *a: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4,
-                           ["DECODE_PROJECT", "ADD_NORM"])
+                           ["decode_project", "add_norm"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     # Each kind of block the step traces: qkv, o, gate/up, down; then the lm_head. Two kinds
     # where norms are apart: the first layer's (x from the embedding, its qkv folding the norm)
@@ -583,15 +588,15 @@ def test_int8_lm_head_from_the_final_norms_digits(monkeypatch, tiny, head_digits
     XLA's product. A one-token prompt's prefill (a fresh step of one row) keeps it too."""
     params = quantize_params(tiny("llama").params)
     head = params.embed if params.lm_head is None else params.lm_head
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
-    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", math.prod(head.shape) - 1)
-    monkeypatch.setattr(kernels, "INT8_HEAD_DIGITS", head_digits)
-    monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (16, 32, 4, 3))  # tiles that divide it
+    tune(monkeypatch, kernel_max_weights=0)
+    tune(monkeypatch, kernel_max_int8_weights=math.prod(head.shape) - 1)
+    tune(monkeypatch, int8_head_digits=head_digits)
+    tune(monkeypatch, head_digit_tiles=(16, 32, 4, 3))  # tiles that divide it
     assert all(math.prod(w.shape) < math.prod(head.shape)
                for w in weight_leaves(params.layers[0]) if isinstance(w, QuantizedWeight))
     digit_calls = spy(monkeypatch, "_digits_call", lambda row, w, *a: w.shape)
     runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=5), prompt,
-                           ["DECODE_PROJECT", "ADD_NORM"])
+                           ["decode_project", "add_norm"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     assert digit_calls == ([head.shape] if head_digits else [])
 
@@ -630,8 +635,8 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
     SwiGLU of the normed row: within a float32 rounding before silu (its int32 sums are exact,
     XLA rounds its own); NaN where the row had an inf. Other matrices ignore the digits, but an
     lm_head past KERNEL_MAX_INT8_WEIGHTS, which takes them without SwiGLU."""
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
-    monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 64, 4, 3))
+    tune(monkeypatch, kernel_max_weights=0)
+    tune(monkeypatch, digit_tiles=(16, 64, 4, 3))
     jax.clear_caches()
     C, F = 256, 96
     key = jax.random.key(11)
@@ -639,7 +644,7 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
     x = (jax.random.normal(jax.random.fold_in(key, 1), (1, C)) * 3).at[0, 9].set(-400.0)
     g = jnp.ones((C,), jnp.float32)
     _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret", digits=True)
-    assert kernels.project_digits(w, "interpret", swiglu=True)
+    assert plan.project_digits(w, "interpret", swiglu=True)
     calls = spy(monkeypatch, "_digits_call")
     got = kernels.project(row, w, swiglu=True, mode="interpret")
     want = kernels.project(row.x, w, swiglu=True, mode=None)
@@ -649,23 +654,23 @@ def test_gate_up_from_digits_equals_xla(monkeypatch):
                               mode="interpret", digits=True)
     assert np.isnan(np.asarray(kernels.project(bad, w, swiglu=True, mode="interpret"))).all()
     w_o, before = quantize(jax.random.normal(key, (F, C))), len(calls)  # not SwiGLU: of row.x
-    assert not kernels.project_digits(w_o, "interpret")
+    assert not plan.project_digits(w_o, "interpret")
     np.testing.assert_array_equal(np.asarray(kernels.project(row, w_o, mode="interpret")),
                                   np.asarray(kernels.project(row.x, w_o, mode="interpret")))
     assert len(calls) == before
-    monkeypatch.setattr(kernels, "DIGIT_TILES", (64, 64, 4, 3))  # rows that do not divide F = 96
-    assert not kernels.project_digits(w, "interpret", swiglu=True)
+    tune(monkeypatch, digit_tiles=(64, 64, 4, 3))  # rows that do not divide F = 96
+    assert not plan.project_digits(w, "interpret", swiglu=True)
     # An lm_head past KERNEL_MAX_INT8_WEIGHTS takes it too, in float32 as the logits are.
-    monkeypatch.setattr(kernels, "KERNEL_MAX_INT8_WEIGHTS", F * C - 1)
-    monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (16, 64, 4, 3))
-    assert kernels.project_digits(w_o, "interpret") and not kernels.project_digits(w_o, None)
-    assert not kernels.project_digits(w_o, "interpret", biased=True)
+    tune(monkeypatch, kernel_max_int8_weights=F * C - 1)
+    tune(monkeypatch, head_digit_tiles=(16, 64, 4, 3))
+    assert plan.project_digits(w_o, "interpret") and not plan.project_digits(w_o, None)
+    assert not plan.project_digits(w_o, "interpret", biased=True)
     got = kernels.project(row, w_o, mode="interpret", out_dtype=jnp.float32)
     assert len(calls) == before + 1 and got.dtype == jnp.float32
     assert rel_err(got, kernels.project(row.x, w_o, out_dtype=jnp.float32)) < 1e-6
     assert np.isnan(np.asarray(kernels.project(bad, w_o, mode="interpret"))).all()
-    monkeypatch.setattr(kernels, "HEAD_DIGIT_TILES", (64, 64, 4, 3))  # rows that do not divide 96
-    assert not kernels.project_digits(w_o, "interpret")
+    tune(monkeypatch, head_digit_tiles=(64, 64, 4, 3))  # rows that do not divide 96
+    assert not plan.project_digits(w_o, "interpret")
 
 
 @pytest.mark.slow
@@ -676,10 +681,10 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
     2^-24 of its largest value, its values far above the unit exactly; down's tensor-core kernel
     from them is XLA's product of that output within a float32 rounding. A row with an inf: NaN."""
     C, F, D = 64, 96, 48
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", 0)
-    monkeypatch.setattr(kernels, "DIGIT_TILES", (16, 32, 4, 3))
-    monkeypatch.setattr(kernels, "DOWN_DIGIT_TILES", (16, 32, 4, 3))
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 4)  # down's 48 rows: 3 programs
+    tune(monkeypatch, kernel_max_weights=0)
+    tune(monkeypatch, digit_tiles=(16, 32, 4, 3))
+    tune(monkeypatch, down_digit_tiles=(16, 32, 4, 3))
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 4)  # down's 48 rows: 3 programs
     key = jax.random.key(13)
     r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape)
     w_gate_up, w_down = quantize(r(0, (2, F, C)), dtype=dtype), quantize(r(1, (D, F)), dtype=dtype)
@@ -688,8 +693,8 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
     _, row = kernels.add_norm(x, jnp.zeros_like(x), g, 1e-5, mode="interpret", digits=True)
     np.testing.assert_allclose(float(row.l1[0]), np.abs(np.asarray(row.x, np.float64)).sum(),
                                rtol=1e-6)
-    assert kernels.project_digits(w_gate_up, "interpret", swiglu=True)
-    assert kernels.down_digits(w_down, "interpret") and not kernels.down_digits(w_down, None)
+    assert plan.project_digits(w_gate_up, "interpret", swiglu=True)
+    assert plan.down_digits(w_down, "interpret") and not plan.down_digits(w_down, None)
     bounds = kernels.down_bounds([w_gate_up, w_gate_up])
     act = kernels.project(row, w_gate_up, swiglu=True, mode="interpret", down_digits_of=(bounds, 1))
     plain = kernels.project(row, w_gate_up, swiglu=True, mode="interpret")
@@ -714,11 +719,11 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
                               mode="interpret", digits=True)
     act = kernels.project(bad, w_gate_up, swiglu=True, mode="interpret", down_digits_of=(bounds, 0))
     assert np.isnan(np.asarray(kernels.project(act, w_down, mode="interpret"))).all()
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 5)  # 3 programs: too few for 5
-    assert not kernels.down_digits(w_down, "interpret")
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 4)
-    monkeypatch.setattr(kernels, "INT8_DOWN_DIGITS", False)
-    assert not kernels.down_digits(w_down, "interpret")
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 5)  # 3 programs: too few for 5
+    assert not plan.down_digits(w_down, "interpret")
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 4)
+    tune(monkeypatch, int8_down_digits=False)
+    assert not plan.down_digits(w_down, "interpret")
 
 
 @pytest.mark.slow
@@ -727,7 +732,7 @@ def test_down_from_gate_ups_digits_equals_xla(monkeypatch, dtype):
 def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
     """The residual sum exactly (one rounding, as XLA's add), the normed sum to the dtype's last
     bit at most: C = 80 is a masked tile of 128, 64 a whole one; rows: a program's rows."""
-    monkeypatch.setattr(kernels, "ADD_NORM_ROWS", rows)
+    tune(monkeypatch, add_norm_rows=rows)
     jax.clear_caches()  # read when the kernel traces
     key = jax.random.key(C)
     r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
@@ -742,11 +747,11 @@ def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
 
 
 def test_add_norm_mode_rules(monkeypatch):
-    assert kernels.ADD_NORM == "auto"
-    assert kernels.add_norm_mode(jnp.float32) is None
-    assert kernels.add_norm_mode(jnp.bfloat16) is None  # no GPU here
-    monkeypatch.setattr(kernels, "ADD_NORM", "interpret")
-    assert kernels.add_norm_mode(jnp.float32) == "interpret"
+    assert tuning().add_norm == "auto"
+    assert plan.add_norm_mode(jnp.float32) is None
+    assert plan.add_norm_mode(jnp.bfloat16) is None  # no GPU here
+    tune(monkeypatch, add_norm="interpret")
+    assert plan.add_norm_mode(jnp.float32) == "interpret"
 
 
 @pytest.mark.slow
@@ -756,7 +761,7 @@ def test_prefill_through_add_norm_matches_the_full_forward(monkeypatch, tiny, na
     after it (on XLA) read the cache it wrote; the reference forward runs on XLA."""
     m = tiny(name)
     calls = spy(monkeypatch, "_add_norm_call")
-    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("ADD_NORM"))
+    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("add_norm"))
     layers = m.params.config.num_layers
     assert len(calls) == 2 * layers - 1  # the prefill traced: 2 a layer, the last layer 1
 
@@ -770,9 +775,9 @@ def test_batch_1_decode_through_add_norm_matches_the_full_forward(monkeypatch, p
                                                                    name, limit, decode_calls):
     """At batch 1 a residual add and the norm after it share `add_norm`'s kernel where the matrix
     the norm feeds is too large for `project`'s kernel; `limit` makes some of the tiny ones so."""
-    monkeypatch.setattr(kernels, "KERNEL_MAX_WEIGHTS", limit)
+    tune(monkeypatch, kernel_max_weights=limit)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
-    _decode_matches_forward(tiny(name), rows=1, kernels_on=lambda: _interpreted_within("ADD_NORM"))
+    _decode_matches_forward(tiny(name), rows=1, kernels_on=lambda: _interpreted_within("add_norm"))
     assert rows.count(1) == decode_calls  # the decode step traced (the prefill's rows are 8)
 
 
@@ -793,7 +798,7 @@ def _rows_cases(M):
 @pytest.mark.parametrize("M", [3, 16, 32])  # rows padded to 16, masked; and ROWS_MAX
 def test_rows_project_equals_xla(M):
     for name, x, w, kw in _rows_cases(M):
-        assert kernels.rows_takes(w, "interpret", kw.get("swiglu", False)), name
+        assert rows_module.supports(w, kw.get("swiglu", False)), name
         out = kernels.rows_project(x, w, mode="interpret", **kw)
         ref = kernels.rows_project(x, w, mode=None, **kw)  # XLA's form
         assert out.shape == ref.shape and out.dtype == ref.dtype, name
@@ -801,45 +806,47 @@ def test_rows_project_equals_xla(M):
 
 
 def test_rows_project_rules(monkeypatch):
-    assert kernels.ROWS_PROJECT == "auto"
-    assert kernels.rows_project_mode(jnp.bfloat16, 32) is None  # no GPU here
-    monkeypatch.setattr(kernels, "ROWS_PROJECT", "interpret")
-    assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MIN) == "interpret"
-    assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MAX) == "interpret"
-    assert kernels.rows_project_mode(jnp.float32, 1) is None  # one row: `project`'s kernel
-    assert kernels.rows_project_mode(jnp.float32, 7) is None  # below ROWS_MIN: XLA's GEMM
-    assert kernels.rows_project_mode(jnp.float32, 8) == "interpret"  # padded to 16
-    assert kernels.rows_project_mode(jnp.float32, kernels.ROWS_MAX + 1) is None
+    assert tuning().rows_project == "auto"
+    assert plan.rows_project_mode(jnp.bfloat16, 32) is None  # no GPU here
+    tune(monkeypatch, rows_project="interpret")
+    assert plan.rows_project_mode(jnp.float32, tuning().rows_min) == "interpret"
+    assert plan.rows_project_mode(jnp.float32, tuning().rows_max) == "interpret"
+    assert plan.rows_project_mode(jnp.float32, 1) is None  # one row: `project`'s kernel
+    assert plan.rows_project_mode(jnp.float32, 7) is None  # below ROWS_MIN: XLA's GEMM
+    assert plan.rows_project_mode(jnp.float32, 8) == "interpret"  # padded to 16
+    assert plan.rows_project_mode(jnp.float32, tuning().rows_max + 1) is None
     # more rows than the tiles fit: XLA's form, whatever the caller's mode
     calls = spy(monkeypatch, "_rows_call")
-    kernels.rows_project(jnp.ones((kernels.ROWS_MAX + 1, 96)), jnp.ones((64, 96)), mode="interpret")
+    kernels.rows_project(jnp.ones((tuning().rows_max + 1, 96)), jnp.ones((64, 96)), mode="interpret")
     assert not calls
     w = jnp.ones((64, 96))
-    assert kernels.rows_takes(w, "interpret") and not kernels.rows_takes(w, None)
-    assert not kernels.rows_takes(quantize(w), "interpret")  # int8: XLA's GEMM converts it
-    assert not kernels.rows_takes(jnp.ones((64, 72)), "interpret")  # no chunk of 16 divides 72
-    assert not kernels.rows_takes(jnp.ones((40, 96)), "interpret")  # nor 16 outputs 40
+    assert rows_module.supports(w)
+    kernels.rows_project(jnp.ones((8, 96)), w, mode=None)  # no mode: XLA's form
+    assert not calls
+    assert not rows_module.supports(quantize(w))  # int8: XLA's GEMM converts it
+    assert not rows_module.supports(jnp.ones((64, 72)))  # no chunk of 16 divides 72
+    assert not rows_module.supports(jnp.ones((40, 96)))  # nor 16 outputs 40
     # the 8B shape's tiles: 64 outputs where they fill 2/3 of the multiprocessors, else 32
-    monkeypatch.setattr(kernels, "_multiprocessors", lambda: 132)
-    assert kernels.rows_tiles(6144, 4096)[:2] == (64, 128)  # qkv: 96 programs
-    assert kernels.rows_tiles(4096, 14336)[:2] == (32, 256)  # down: 128 programs
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 132)
+    assert rows_module.rows_tiles(6144, 4096)[:2] == (64, 128)  # qkv: 96 programs
+    assert rows_module.rows_tiles(4096, 14336)[:2] == (32, 256)  # down: 128 programs
     # below 32 rows only matrices of the 8B shape's size (smaller models' steps lost there)
     eight_b = [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)]
     one_b = [(3072, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
-    assert kernels.rows_sized(16, eight_b) and kernels.rows_sized(8, eight_b)
-    assert not kernels.rows_sized(16, one_b) and not kernels.rows_sized(31, one_b)
-    assert kernels.rows_sized(32, one_b)
+    assert plan.rows_sized(16, eight_b) and plan.rows_sized(8, eight_b)
+    assert not plan.rows_sized(16, one_b) and not plan.rows_sized(31, one_b)
+    assert plan.rows_sized(32, one_b)
 
 
 def test_rows_kernel_signals_dependents_only_from_32_padded_rows(monkeypatch):
     """The PDL signal (griddepcontrol.launch_dependents) in the kernel as lowered for a Hopper
     GPU: at 17-32 rows, not at 16 or fewer (where the 8B shape's steps lost with it)."""
-    monkeypatch.setattr(kernels.L, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
     w = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
     for M, signals in [(8, False), (16, False), (17, True), (32, True)]:
         x = jax.ShapeDtypeStruct((M, 256), jnp.bfloat16)
-        call = jax.jit(lambda x, w: kernels._rows_call(x, w, swiglu=False, tiles=(16, 64, 4, 5),
-                                                       interpret=False))
+        call = jax.jit(lambda x, w: rows_module._rows_call(x, w, swiglu=False, tiles=(16, 64, 4, 5),
+                                                       interpret=False, tuning=tuning()))
         text = call.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
         assert ("griddepcontrol.launch_dependents" in text) == signals, M
 
@@ -852,14 +859,14 @@ def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention
     `rows_project`'s kernel, down adding the residual, and o's output with the residual through
     `add_norm`'s kernel (the FFN's normed input); logits as the full forward's."""
     m = tiny(name)
-    monkeypatch.setattr(kernels, "ROWS_MIN", 2)
-    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)  # the tiny matrices count as large
-    monkeypatch.setattr(kernels, "ADD_NORM", "interpret")
+    tune(monkeypatch, rows_min=2)
+    tune(monkeypatch, rows_large_weights=0)  # the tiny matrices count as large
+    tune(monkeypatch, add_norm="interpret")
     if attention:  # with the attention kernel too (qwen2_swa: biases and a window)
-        monkeypatch.setattr(kernels, "DECODE_ATTENTION", "interpret")
+        tune(monkeypatch, decode_attention="interpret")
     calls = spy(monkeypatch, "_rows_call", lambda x, w, bias, residual: residual is not None)
     norms = spy(monkeypatch, "_add_norm_call", lambda x, delta, norm: x.shape[0])
-    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("ROWS_PROJECT"))
+    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("rows_project"))
     # qkv, o, gate/up, down; the layers trace once per attention window (qwen2_swa: two kinds)
     cfg = m.params.config
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
@@ -867,15 +874,38 @@ def test_rows_decode_matches_the_full_forward(monkeypatch, tiny, name, attention
     assert norms.count(2) == len(windows)  # the decode steps' (the prefill's have 16 rows)
 
 
+def _rows_mode(params, B: int, T: int, fresh: bool = False) -> str | None:
+    """The rows family's mode in the step plan of B rows of T tokens, None where it takes another."""
+    how = plan.step_plan(params, B, T, fresh=fresh).layers[0].projection
+    return how.mode if how.family == "rows" else None
+
+
 def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
-    monkeypatch.setattr(kernels, "ROWS_PROJECT", "interpret")
-    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 32, 1) == "interpret"
-    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 32, 3) is None  # a prefill
-    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 32, 1, fresh=True) is None
-    assert jaxllm.model.transformer._rows_mode(quantize_params(tiny("llama").params), 32, 1) is None
+    tune(monkeypatch, rows_project="interpret")
+    assert _rows_mode(tiny("llama").params, 32, 1) == "interpret"
+    assert _rows_mode(tiny("llama").params, 32, 3) is None  # a prefill
+    assert _rows_mode(tiny("llama").params, 32, 1, fresh=True) is None
+    assert _rows_mode(quantize_params(tiny("llama").params), 32, 1) is None
     # 8-31 rows: only models whose every matrix is large
-    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 16, 1) is None
-    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 64 * 64 + 1)  # o has 64 x 64, the rest more
-    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 16, 1) is None
-    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)
-    assert jaxllm.model.transformer._rows_mode(tiny("llama").params, 16, 1) == "interpret"
+    assert _rows_mode(tiny("llama").params, 16, 1) is None
+    tune(monkeypatch, rows_large_weights=64 * 64 + 1)  # o has 64 x 64, the rest more
+    assert _rows_mode(tiny("llama").params, 16, 1) is None
+    tune(monkeypatch, rows_large_weights=0)
+    assert _rows_mode(tiny("llama").params, 16, 1) == "interpret"
+
+
+def test_step_plan_names_each_paths_kernels_and_is_a_static_argument(monkeypatch, tiny):
+    """One host-side plan per (params, rows, tokens per row): one row takes `project`'s kernels,
+    8-32 rows the rows kernels, a prefill neither; it is hashable (a jit static argument), and
+    layers of one shape share one layer plan (they trace once)."""
+    params = tiny("llama").params
+    tune(monkeypatch, decode_project="interpret", rows_project="interpret", add_norm="interpret",
+         decode_attention="interpret")
+    one, rows, prefill = (plan.step_plan(params, B, T, cache_length=16) for B, T in ((1, 1), (32, 1), (2, 8)))
+    assert {lp.projection.family for lp in one.layers} == {"project"} and one.head.family == "project"
+    assert {lp.projection.family for lp in rows.layers} == {"rows"} and rows.head.family is None
+    assert {lp.projection.family for lp in prefill.layers} == {None} and prefill.attention is None
+    assert one.attention == rows.attention == "interpret"
+    assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=16)) and one != rows
+    assert len(set(one.layers[:-1])) == 1  # the last layer differs only in what comes next
+    assert jax.jit(lambda x, p: x + len(p.layers), static_argnums=1)(1, one) == 1 + len(one.layers)

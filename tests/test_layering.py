@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxllm"
 
 # Earlier layers first; a module belongs to the first entry that is it or a package above it.
-LAYERS = ["jaxllm.env", "jaxllm.checks", "jaxllm.layers", "jaxllm.kernels", "jaxllm.model", "jaxllm.families", "jaxllm.io",
+LAYERS = ["jaxllm.env", "jaxllm.checks", "jaxllm.runtime", "jaxllm.layers", "jaxllm.kernels", "jaxllm.model", "jaxllm.families", "jaxllm.io",
           "jaxllm.text", "jaxllm.engine", "jaxllm.tools", "jaxllm", "jaxllm.server", "jaxllm.cli", "jaxllm.__main__"]
 
 

@@ -26,9 +26,9 @@ import transformers
 import jaxllm
 from jaxllm import kernels
 from jaxllm.families import config_from_hf
-from jaxllm.layers import dense as L
+from jaxllm.layers import moe as L
 from jaxllm.model.config import ModelConfig, RopeConfig
-from kernel_modes import decode_per_mode, spy
+from kernel_modes import decode_per_mode, spy, tune
 from tiny_models import rel_err
 from jaxllm.layers.quant import quantize
 from jaxllm.model.params import abstract_params
@@ -447,7 +447,7 @@ def test_batch_1_decode_through_the_kernels_matches_xla(moe_model, monkeypatch, 
     ids = np.random.default_rng(5).integers(3, cfg.vocab_size, (1, 7)).astype(np.int32)
     rows = spy(monkeypatch, "_add_norm_call", lambda x, *a: x.shape[0])
     routed = spy(monkeypatch, "pick_experts", lambda logits, *a: logits.shape[0])
-    runs = decode_per_mode(monkeypatch, params, ids, 4, ["DECODE_PROJECT", "ADD_NORM", "ROUTE"])
+    runs = decode_per_mode(monkeypatch, params, ids, 4, ["decode_project", "add_norm", "route"])
     assert rel_err(runs[1], runs[0]) < 1e-5
     sparse = sum(cfg.moe_layers)
     # The decode step traced: 2 a MoE layer (a dense one's norms fold into project's kernels).
@@ -462,10 +462,9 @@ def test_decode_of_several_rows_keeps_moe_on_xla(moe_model, monkeypatch):
     forms under the switch, its logits unchanged."""
     params = moe_model("mixtral").params
     ids = np.random.default_rng(6).integers(3, params.config.vocab_size, (2, 7)).astype(np.int32)
-    monkeypatch.setattr(kernels, "ROWS_MIN", 2)  # as a dense model's two rows would take them
-    monkeypatch.setattr(kernels, "ROWS_LARGE_WEIGHTS", 0)
+    tune(monkeypatch, rows_min=2, rows_large_weights=0)  # as a dense model's two rows would take them
     calls = spy(monkeypatch, "_rows_call")
-    runs = decode_per_mode(monkeypatch, params, ids, 4, ["ROWS_PROJECT"])
+    runs = decode_per_mode(monkeypatch, params, ids, 4, ["rows_project"])
     assert not calls
     np.testing.assert_array_equal(runs[1], runs[0])
 

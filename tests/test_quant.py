@@ -18,6 +18,7 @@ import jaxllm
 from jaxllm import cli
 from jaxllm.engine.score import perplexity, windows
 from jaxllm.layers import dense as layers
+from jaxllm.layers import moe as moe_layers
 from jaxllm.layers.quant import QuantizedWeight, dequantize, quantize
 from jaxllm.model.config import ModelConfig, RopeConfig
 from jaxllm.model.params import init_params, param_bytes, quantize_params
@@ -211,6 +212,6 @@ def test_every_moe_path_on_int8_experts_equals_the_dequantized_experts(path):
     gate_up = quantize(jax.random.normal(keys[1], (E, 2, F, D)) / 6, 1)
     down = quantize(jax.random.normal(keys[2], (E, D, F)) / 5, 1)
     x = jax.random.normal(keys[3], (2, 3, D))
-    got = layers.moe(x, router, gate_up, down, A, True, path=path)
-    want = layers.moe(x, router, dequantize(gate_up), dequantize(down), A, True, path=path)
+    got = moe_layers.moe(x, router, gate_up, down, A, True, path=path)
+    want = moe_layers.moe(x, router, dequantize(gate_up), dequantize(down), A, True, path=path)
     assert rel_err(got, want) < 1e-5

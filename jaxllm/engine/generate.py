@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import runtime
 from jaxllm.engine import memory
 from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
 from jaxllm.engine.memory import check_fit
@@ -29,34 +30,12 @@ from jaxllm.env import env_flag
 from jaxllm.layers import dense as L
 from jaxllm.model.cache import init_cache, is_int8
 from jaxllm.model.params import Params, is_quantized, require_params
-from jaxllm.model.transformer import AUTOTUNE_OPTIONS, jitted_step, rotation_table, step
+from jaxllm.model.transformer import jitted_step, rotation_table, step
+from jaxllm.runtime import AUTOTUNE_OPTIONS, LOOP_GRAPH_OPTIONS, ONE_ROW_OPTIONS
 
 MIN_BUCKET = 16
 STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their count does not recompile
 
-# XLA records each decode step's kernels as one command buffer (a CUDA graph), but by default the
-# while loop around the steps stays with the host: it reads the loop condition back and launches
-# the next step's graph. With WHILE and CONDITIONAL among the recorded commands the whole loop is
-# one graph (CUDA conditional nodes), and no step waits for the host. On an H200 (bench, batch 1,
-# prompt 128 + 256 new, same run): SmolLM2 0.5032 against 0.5134 ms a step, Qwen3-0.6B 0.7343
-# against 0.7494, Llama-3.2-1B 0.8525 against 0.8673, the 8B shape 3.9501 against 3.9544. The
-# rest of the list is XLA's default. The profiler does not show the kernels of a loop recorded
-# so, so while `jaxllm.trace` records (or warms up for) a trace, generate compiles its loop the
-# default way. JAXLLM_LOOP_GRAPH=0, or XLA_FLAGS naming the option, leave XLA's default too.
-LOOP_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer":
-                      "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
-# A batch-1 generate of a dense model on a GPU has matrix products only in its prefill (a decode
-# step's are row reductions), where cuBLAS alone was as fast as XLA's pick among cuBLAS and its
-# own Triton GEMMs, whose autotuning compiles dozens of Triton kernels a shape. The 8B shape on
-# an H200 (bench): with no compilation cache, 6.19 s to compile against 7.11 with Triton's
-# GEMMs back (`--xla_gpu_enable_triton_gemm=true`, same run; process-wide in an earlier run,
-# 4.27 s against 7.12 and 5.81); a fresh machine's first call 7.3 s; a 2048-token prefill 47.1
-# ms against 47.8, a decode step unchanged. `--xla_gpu_autotune_level=0` compiled as fast but
-# made a 128-token prefill 96.6 ms. Batch 32 keeps XLA's pick (its decode GEMMs are Triton's:
-# 4.853 ms a step against 4.926), and so do MoE models (their decode steps multiply experts as
-# GEMMs; not measured) and int8 weights (a Triton GEMM converts them as it loads; cuBLAS would
-# want each matrix converted to bf16 first). XLA_FLAGS naming the option leave XLA's default.
-ONE_ROW_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 # A prompt longer than this prefills in chunks of it, each a step over the cache the chunks before
@@ -234,10 +213,7 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, max_new, stop_ids, sam
     # A step's bookkeeping is only what the loop needs: the token, its stop test (for the loop's
     # condition) and the output write. The lengths and the padding after each row's stop token
     # follow from the tokens once, after the loop: every small op in the loop is a kernel of its
-    # own in every step, 1-1.5 us each on an H200 against SmolLM2's 17 us layers. A SmolLM2 step
-    # ran 10 such kernels after the lm_head, now 6 (traces). With the loop graph above, same run:
-    # SmolLM2 0.5008 against 0.5231 ms a step, Qwen3-0.6B 0.7338 against 0.7449, Llama-3.2-1B
-    # 0.8316 against 0.8404.
+    # own in every step (docs/decisions/loop-and-compiler.md#only-what-the-loop-needs-inside-it).
     # The decode kernel's cos and sin by position, once (sharded steps make theirs per step)
     rotation = rotation_table(cfg, cache_length) if params.tp is None else None
 
@@ -280,7 +256,7 @@ def _choice(rows: int = 0, params: Params | None = None) -> tuple[bool, bool]:
     graph = not (kernels_visible() or not env_flag("JAXLLM_LOOP_GRAPH", True)
                  or "xla_gpu_enable_command_buffer" in flags)
     cublas = (rows == 1 and params is not None and params.config.num_experts == 0
-              and L.gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags
+              and runtime.gpu_generation() > 0 and "xla_gpu_enable_triton_gemm" not in flags
               and not is_quantized(params))  # the tree walk last, on GPUs only
     return graph, cublas
 
@@ -298,10 +274,8 @@ def compiler_options(rows: int, params: Params) -> dict:
 
 # `memory.program_bytes` of generate's compiled loop (and of stream's prefill step) by what
 # decides it (the program, the params' tree, shapes and dtypes, the plan's shapes, the static
-# arguments). A warm call pays that key
-# (61 us for SmolLM2's params on a CPU), not a trace and lowering found in the jit's caches (1.7
-# ms) nor a second set of the loop's argument arrays: keyed by those, the check made a warm 8B
-# int8 generate 2.8 ms slower on an H200 (645.4 against 642.6 ms unchecked), now 0.3 ms or less.
+# arguments). A warm call pays that key, not a trace and lowering found in the jit's caches nor a
+# second set of the loop's argument arrays (docs/decisions/loop-and-compiler.md#the-memory-checks-cost).
 _ALLOCATED: dict = {}
 
 

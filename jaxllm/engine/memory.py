@@ -18,17 +18,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.layers.dense import moe_path, uses_cudnn_attention
+from jaxllm.layers.dense import uses_cudnn_attention
+from jaxllm.layers.moe import moe_path
 from jaxllm.model.cache import cache_bytes
 from jaxllm.model.config import ModelConfig
 from jaxllm.model.params import Params, param_bytes
 
 F32 = 4
-# XLA's buffer assignment keeps more than one layer's intermediates live. Measured on an H200 at
-# the 8B shape (bf16, cuDNN attention): a prefill of 8 x 8192 tokens held 50.0 GB beside the
-# weights and the bf16 cache (46.6 GB with an int8 cache), 2.2x the one-layer count of
-# `activation_bytes` (22.3 GB); 16 x 8192 asked for 80-84 GB of temporaries against a count of
-# 44.6 GB and failed. The check multiplies the count by this.
+# XLA's buffer assignment keeps more than one layer's intermediates live: the check multiplies the
+# one-layer count of `activation_bytes` by this (docs/decisions/loop-and-compiler.md#the-memory-bound-and-xlas-count).
 LIVE_FACTOR = 2.5
 
 
@@ -164,10 +162,8 @@ def check_fit(params: Params, batch: int, tokens: int, length: int, kv_dtype=Non
     `all_logits` counts float32 logits of every position, as `forward` returns them (its k and v
     stand in for the cache). `allocated`, if given, returns `program_bytes` of the compiled
     program that will serve the request, its KV cache made inside it. Where the bound says the
-    request fits, that count is checked too, the activations being what it holds beyond the cache. The bound is an estimate:
-    on an H200, 128-token prompts held 1.6-5 times it in float (Qwen3-0.6B, Mixtral-8x7B,
-    Qwen3-30B-A3B) and 3-22 times in int8, whose prefill converts weights to the model dtype
-    (2026-12-01, `.device/probe_temp.py`).
+    request fits, that count is checked too, the activations being what it holds beyond the cache.
+    The bound is an estimate, exceeded at short prompts (docs/decisions/loop-and-compiler.md#the-memory-bound-and-xlas-count).
     """
     tp = params.tp
     data = tp.mesh.shape[tp.batch_axis] if tp is not None and tp.batch_axis else 1

@@ -253,8 +253,8 @@ def filter_logits(logits_BV, top_k, top_p, min_p, use_top_k: bool, use_top_p: bo
 
 # Greedy's argmax as two reductions of our own shape: each of ARGMAX_BLOCKS blocks of the
 # vocabulary, then the blocks. XLA's own split of one long row ran slower: in an H200 trace of a
-# Qwen3-0.6B step (151936 logits) 2.1 + 1.6 us against 3.3 + 1.4 (figures in
-# `model.rotation_table`'s comment). JAXLLM_ARGMAX_BLOCKS overrides it; below 8, jnp.argmax.
+# Qwen3-0.6B step (docs/decisions/loop-and-compiler.md#the-steps-tail). JAXLLM_ARGMAX_BLOCKS
+# overrides it; below 8, jnp.argmax.
 ARGMAX_BLOCKS = env_number("JAXLLM_ARGMAX_BLOCKS", "128")
 
 

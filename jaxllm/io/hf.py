@@ -80,8 +80,8 @@ class SafetensorsReader(contextlib.ExitStack):
     The library opens and checks each file (its header, every tensor's extent). The data is then
     read with plain positional reads (`os.preadv`) straight into the caller's array, or a slice of
     it (`read_into`). The library's own numpy reader copies out of a memory map page by page
-    instead: a 2.5 GB checkpoint from the page cache at 1.8-1.9 GB/s, against 5.2-7.1 this way
-    (a 2-core CPU machine). Reads share no file position, so threads may read at once.
+    instead, a few times slower (docs/decisions/loading.md#reads-straight-into-place). Reads share
+    no file position, so threads may read at once.
     """
 
     def __init__(self, files: list[Path]):

@@ -93,10 +93,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
         raise ValueError("int8 quantization of a sharded (mesh=) load is not implemented yet")
     # The device backend starts before the checkpoint is read, not beside the readers: on a fresh
     # machine it reads its libraries (0.7-1.2 GB: the CUDA plugin, cuBLAS, NVRTC...) from the disk
-    # the checkpoint is on, and its page faults waited behind the readers' queue. The 8B shape's
-    # 16 GB on an H200 machine (scripts/bench.py --cold --load-only, alternating), the libraries
-    # dropped from the page cache: 10.37-10.85 s started first against 12.85-13.33 beside the
-    # readers (79-84% of a plain read against 66-69%); cached, 9.61 and 9.80 s against 9.84 and 10.46.
+    # the checkpoint is on, and its page faults waited behind the readers' queue
+    # (docs/decisions/loading.md#the-backend-first).
     jax.devices()
     dtype = _float_dtype(dtype) if dtype is not None else default_dtype()
     if path is None:
@@ -118,10 +116,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=None, mesh=None,
 
 # Threads reading parameters, and as many placing them (`reading.from_hf_tensors`), with at most
 # LOAD_BUFFER_BYTES of host memory read but not yet placed (at most half the memory available):
-# room for the disk to go on reading while the device takes what was read. Measured while the
-# backend still started beside the readers (see `load`), the 8B shape cold on H200 machines: the
-# first parameter reached the GPU 3.6-5.5 s into a fresh process, at a disk's 1.8-2.1 GB/s; a
-# first version loaded in 10.85 and 12.54 s with 4 GB, 10.31 and 10.86 with 8.
+# room for the disk to go on reading while the device takes what was read
+# (docs/decisions/loading.md#buffered-reads-not-direct-io).
 LOAD_THREADS = env_number("JAXLLM_LOAD_THREADS", "8")
 LOAD_BUFFER_BYTES = int(env_number("JAXLLM_LOAD_BUFFER_MB", "8192", float) * 2**20)
 

@@ -1,3 +1,2 @@
 """Pure XLA forms of a transformer block, as array functions: dense (norm, rope, attention, mlp,
-projections, the embedding lookup, and for now MoE routing and the expert paths), quant (the int8
-leaf)."""
+projections, the embedding lookup), moe (routing and the expert paths), quant (the int8 leaf)."""

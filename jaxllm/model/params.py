@@ -8,7 +8,7 @@ abstract shapes, shardings and checkpoint conversion are all derived from that t
 Layout, converted once at load time so the decode step needs no transposes. Every matrix keeps
 its contraction axes last (minor), as in a HF [out, in] Linear: at batch 1 each output is a
 contiguous dot product, which XLA's GEMV kernels stream near HBM bandwidth; with the contraction
-axis major, the H200 measured 2 TB/s instead of ~3.8, and XLA transposed wo inside the loop.
+axis major they streamed about half as fast (docs/decisions/loop-and-compiler.md#weight-layout).
   wqkv [K, G+2, H, D]: per KV head, its G query heads, then its key head, then its value head,
                        so a tensor-parallel split over K is one contiguous slice of whole groups.
   wo   [D, K, G, H],  w_gate_up [2, F, D],  w_down [D, F],  lm_head [V, D] (absent when tied).

@@ -230,8 +230,9 @@ def abstract_sharded(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, *,
 def init_sharded(cfg: ModelConfig, key: jax.Array, mesh: Mesh, dtype=jnp.bfloat16, *,
                  expert_parallel: bool = False, scale: float = 0.02) -> Params:
     """Random weights drawn straight into their shards (no device holds the whole model): the
-    values `init_params` draws for the sharded layout, one tensor at a time. (One program drawing
-    the whole model took 55 s for the 8B shape on two H200s; tensor by tensor 4-6 s.)"""
+    values `init_params` draws for the sharded layout, one tensor at a time, an order of magnitude
+    faster than one program drawing the whole model
+    (docs/decisions/tensor-parallel.md#random-weights-drawn-into-their-shards)."""
     layout, tp = plan(cfg, mesh, expert_parallel)
     axes = _axes_by_path(layout)
     return init_params(layout, key, dtype, scale,

@@ -6,20 +6,21 @@ into a `KVCache` at each row's end and return logits for the last position only.
 jitted pure function they call, for engines that keep their own bookkeeping.
 """
 
-import math
-import os
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm import kernels
 from jaxllm.layers import dense as L
-from jaxllm.layers.quant import QuantizedWeight
+from jaxllm.layers import moe as M
 from jaxllm.model import sharding
 from jaxllm.model.cache import KVCache, init_cache
 from jaxllm.model.config import ModelConfig, rope_frequencies
 from jaxllm.model.params import Layer, Params
+from jaxllm.model.plan import LayerPlan, Projection, StepPlan, step_plan
+from jaxllm.runtime import AUTOTUNE_OPTIONS
 
 
 def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv, end_B,
@@ -34,19 +35,19 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     `unroll_BT` marks a fresh prefill (see `_hidden`): the tokens come rotated to start at index
     0, attend among themselves only, and go into the cache rotated back by these indices.
     `fused` marks a decode step taking the Pallas kernel: (start_B, rotation_P2R (cos and sin by
-    position, `rotation_table`), interpret, split_out); with split_out the heads may come back as a
-    `kernels.SplitHeads` for `_project`.
+    position, `rotation_table`), interpret, split_out, tuning); with split_out the heads may come
+    back as a `kernels.SplitHeads` for `_project`.
 
     Inside shard_map, K is the device's KV heads.
     """
     G = cfg.q_per_kv
     B, T, K, _, H = qkv_BTKJH.shape
     if fused is not None:  # rotation, cache writes and attention in one kernel
-        start_B, rotation_P2R, interpret, split_out = fused
+        start_B, rotation_P2R, interpret, split_out, tuning = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
             qkv_BTKJH[:, 0], kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            split_out=split_out)
+            split_out=split_out, tuning=tuning)
         if isinstance(out_BKGH, kernels.SplitHeads):
             return out_BKGH, (k_cache, v_cache, None, None)
         return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
@@ -99,16 +100,15 @@ def _write(cache_BKSH, new_BKTH, scale_BKS, end_B):
     return put(cache_BKSH, q_BKTH), put(scale_BKS, s_BKT)
 
 
-def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
-    """Dense or MoE SwiGLU; with `axis`, F (or the experts) may be the device's part: psum then."""
+def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None, route=None, tuning=None):
+    """Dense or MoE SwiGLU; with `axis`, F (or the experts) may be the device's part: psum then.
+    `route`: the routing kernel's mode (the plan's; never inside shard_map, not yet run on GPUs)."""
     split = (lambda local, total: axis is not None and L.is_split(local, total))
     if moe:
         experts_split = split(layer.experts_gate_up.shape[0], cfg.num_experts)
-        # The routing kernel outside shard_map only: inside it, not yet run on GPUs.
         routes = kernels.route(h_BTD.reshape(-1, h_BTD.shape[-1]), layer.router,
-                               cfg.experts_per_token, cfg.norm_topk_prob,
-                               mode=kernels.route_mode(h_BTD.dtype) if axis is None else None)
-        out_BTD = L.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
+                               cfg.experts_per_token, cfg.norm_topk_prob, mode=route, tuning=tuning)
+        out_BTD = M.moe(h_BTD, layer.router, layer.experts_gate_up, layer.experts_down,
                         cfg.experts_per_token, cfg.norm_topk_prob, routes=routes,
                         expert_axis=axis if experts_split else None)  # moe psums expert splits itself
         partial_sum = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
@@ -119,16 +119,9 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None):
 
 
 # A decode step's attention kernel takes the new tokens' cos and sin from a table of every
-# position, which `generate` makes once before its loop: a step made its rows' own in an XLA
-# kernel of its own (1.4 us of a Qwen3-0.6B step, H200 trace). With greedy's argmax in blocks
-# (`sampling.argmax`), on an H200 (bench, batch 1, prompt 128 + 256 new, same runs, five rounds
-# over two runs) Qwen3-0.6B took 0.6512-0.6604 ms a step against 0.6625-0.6870 (1514-1536 tok/s
-# against 1456-1510; each change alone 0.6560-0.6645); within the noise SmolLM2 (0.3799-0.3970
-# against 0.3870-0.3932), Llama-3.2-1B (0.8096 against 0.8102), the 8B shape (3.9111 against
-# 3.9288, at batch 32 4.7174 against 4.7133; one round each).
-# The step's tail in a trace (Qwen3-0.6B, host loop): 11.4 us of kernels after the lm_head
-# against 13.6. `stream` makes the table once per prompt too; a step given none (`decode_step`
-# without one, a sharded step) makes it itself.
+# position, made once before a loop rather than in each step
+# (docs/decisions/decode-attention.md#the-rotation-table-once-a-loop). A step given none
+# (`decode_step` without one, a sharded step) makes it itself.
 def rotation_table(config: ModelConfig, length: int):
     """cos and sin of every position below `length` (float32 [length, 2, R], the attention factor
     included), as `kernels.decode_attention` takes them."""
@@ -138,13 +131,32 @@ def rotation_table(config: ModelConfig, length: int):
     return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
 
 
-def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
-            rotation=None):
+class StepInputs(NamedTuple):
+    """The arrays a block takes besides its layer and the residual stream, as `_hidden` makes them:
+    each row's write slot `end_B`, the new tokens' positions, the layer's mask (None where the
+    attention needs none), the rotary frequencies, a fresh prefill's unrolling indices, the
+    attention kernel's (start_B, rotation table), the norm and matrix that come after the block
+    (the next qkv's or the lm_head's), and (down_bounds, this layer's index) where gate/up hands
+    down its output as digits."""
+    end_B: jax.Array
+    positions_BT: jax.Array
+    mask_BTS: jax.Array | None
+    inv_freq: jax.Array
+    unroll_BT: jax.Array | None
+    fused_args: tuple | None
+    next_norm: jax.Array | None
+    next_w: object
+    down_bounds: tuple | None
+
+
+def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = None,
+            fresh: bool = False, rotation=None):
     """Run all blocks over T new tokens written at each row's cache.end; returns (x_BTD,
     normed_BTD, new cache): normed_BTD is x_BTD through the final norm where a kernel made it (as a
     `kernels.DigitRow` for an int8 lm_head that takes them), else None.
 
-    `axis`: the tensor-parallel mesh axis when running inside shard_map (see jaxllm.sharding).
+    `plan`: the step's `StepPlan` (its kernels, fusions and tensor-parallel axis); by default
+    the one `step_plan` makes for these shapes, unsharded.
     `fresh`: the caller guarantees the cache is empty (every end 0), so the tokens attend only among
     themselves: each row is rotated left by its padding, so its prompt starts at index 0 and
     plain causal attention (a fused kernel on GPUs) needs no padding mask; the keys and values go
@@ -154,17 +166,16 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     """
     cfg = params.config
     B, T = tokens_BT.shape
+    plan = plan or _plan(params, tokens_BT, cache, fresh=fresh)
+    axis = plan.axis
     # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
     # where transformers leaves the base alone; the cache length (left padding, bucket slack)
     # says nothing about how far positions go.
-    inv_freq, rope_scale = rope_frequencies(cfg)
+    inv_freq, _ = rope_frequencies(cfg)
     inv_freq = jnp.asarray(inv_freq)
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
     t_T = jnp.arange(T, dtype=jnp.int32)
-    proj = _project_mode(params, B, T, axis)
-    # A decode step through the attention kernel: its arrays, and its static switches (see
-    # `_attention_block`'s `fused`), apart so that `_block` takes the switches as static.
-    fused_args = fused_static = None
+    fused_args = None
     if fresh:
         roll_BT = (t_T[None, :] + cache.start[:, None]) % T
         unroll_BT = (t_T[None, :] - cache.start[:, None]) % T
@@ -176,76 +187,34 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
         q_slots_BT = cache.end[:, None] + t_T[None, :]  # each row writes at its own end
         # Left padding sits before start; its (unused) positions are clamped to 0.
         positions_BT = jnp.maximum(q_slots_BT - cache.start[:, None], 0)
-        # Inside shard_map too, on each device's KV heads (see sharding.shard_call's check_vma):
-        # the 8B shape on two H200s, 3.20-3.22 ms a step against 3.63 with XLA's attention.
-        mode = T == 1 and kernels.decode_attention_mode(
-            params.dtype, cfg.head_dim, 2 * inv_freq.shape[0], cache.k_scale is not None, cache.length)
-        if mode:  # every position's rotation, unless the caller made the table before its loop
+        if plan.attention:  # every position's rotation, unless the caller made the table before its loop
             if rotation is None:
                 rotation = rotation_table(cfg, cache.length)
             fused_args = (cache.start, rotation)
-            fused_static = (mode == "interpret", proj is not None)  # o's kernel may combine splits
-        masks = dict.fromkeys(windows) if mode else \
+        masks = dict.fromkeys(windows) if plan.attention else \
             {w: L.visible_mask(q_slots_BT, cache.start, cache.length, w) for w in windows}
     x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
-    # Residual adds and norms pair up in `kernels.add_norm`: normed_BTD is then x_BTD through
-    # the norm that comes next, made by the same pass. In a prefill always; in a decode step
-    # only at batch 1, before a matrix too large for `kernels.project`'s kernel (which folds the
-    # norm in itself) or a large int8 one (`kernels.project_folds_norm`). A decode step of 8-32
-    # rows of a dense float model takes `_rows_block`, which pairs o's output with the residual
-    # so itself.
-    fuse = None if axis is not None or (T == 1 and proj is None) else \
-        kernels.add_norm_mode(params.dtype)
     normed_BTD = None
     head_VD = params.embed if params.lm_head is None else params.lm_head
     # What the residual stream feeds after each layer: the next layer's qkv, or after the last
-    # layer the lm_head (in a decode step; a prefill's final norm takes its last position only):
-    # (its norm, its matrix, whether biased), and whether that matrix's kernel folds the norm in.
-    nexts = [(nxt.attn_norm, nxt.wqkv, nxt.bqkv is not None) for nxt in params.layers[1:]]
-    nexts.append((params.final_norm if T == 1 else None, head_VD, False))
-    next_takes = [proj is not None and kernels.project_folds_norm(w, proj, biased=biased)
-                  for _, w, biased in nexts]
-    # Bounds on the gate/up outputs of the layers whose down takes them as digits
-    # (`kernels.down_digits`; not where down adds the residual, the next norm folded), and each
-    # such layer's index in them.
-    down_at = [i for i, layer in enumerate(params.layers) if fuse and proj and not cfg.is_moe(i)
-               and not next_takes[i]
-               and kernels.project_digits(layer.w_gate_up, proj, swiglu=True)
-               and kernels.down_digits(layer.w_down, proj)]
-    down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in down_at]) \
-        if down_at else None
+    # layer the lm_head (in a decode step; a prefill's final norm takes its last position only).
+    nexts = [(nxt.attn_norm, nxt.wqkv) for nxt in params.layers[1:]]
+    nexts.append((params.final_norm if T == 1 else None, head_VD))
+    down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in plan.down_layers]) \
+        if plan.down_layers else None
     new_kv = []
-    # A decode step of 8-32 rows runs `_rows_block`, every matrix through kernels.rows_project.
-    rows = _rows_mode(params, B, T, axis, fresh)
-    for i, layer in enumerate(params.layers):
-        window = cfg.sliding_window if cfg.is_sliding(i) else None
+    for i, (layer, lp) in enumerate(zip(params.layers, plan.layers)):
         kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
               cache.v_scale and cache.v_scale[i])
-        if rows:
-            with jax.named_scope(f"layer_{i}"):
-                x_BTD, kv = _rows_block(layer, x_BTD, kv, cache.end, positions_BT, masks[window],
-                                        inv_freq, fused_args, cfg=cfg, window=window, mode=rows,
-                                        rope_scale=rope_scale, fused_static=fused_static)
-            new_kv.append(kv)
-            continue
-        next_norm, next_w, next_bias = nexts[i]
-        # Digits for what comes next (the lm_head's) in a decode step (proj: of one row); a
-        # one-token prefill (fresh) keeps a plain normed row, which it reorders with x.
-        next_digits = proj is not None and not fresh and kernels.project_digits(
-            next_w, proj, biased=next_bias)
-        # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
-        # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
-        ahead_w = next_w if proj and kernels.prefetched(next_w) else None
-        first = bool(proj) and kernels.weights_first(
-            (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        next_norm, next_w = nexts[i]
+        inputs = StepInputs(
+            cache.end, positions_BT, masks[lp.window], inv_freq, unroll_BT, fused_args, next_norm,
+            # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
+            # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
+            next_w if lp.prefetch[3] else None,
+            (down_bounds, jnp.int32(plan.down_layers.index(i))) if lp.down_digits else None)
         with jax.named_scope(f"layer_{i}"):
-            x_BTD, normed_BTD, kv = _block(
-                layer, x_BTD, normed_BTD, kv, cache.end, positions_BT, masks[window], inv_freq,
-                unroll_BT, fused_args, next_norm, ahead_w,
-                (down_bounds, jnp.int32(down_at.index(i))) if i in down_at else None,
-                cfg=cfg, window=window, moe=cfg.is_moe(i), proj=proj, fuse=fuse,
-                rope_scale=rope_scale, axis=axis, fused_static=fused_static,
-                next_takes=next_takes[i], next_digits=next_digits, weights_first=first)
+            x_BTD, normed_BTD, kv = _block(layer, x_BTD, normed_BTD, kv, inputs, plan=lp)
         new_kv.append(kv)
     if fresh:
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
@@ -257,120 +226,64 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = 
     return x_BTD, normed_BTD, cache
 
 
-@partial(jax.jit, inline=True, static_argnames=(
-    "cfg", "window", "moe", "proj", "fuse", "rope_scale", "axis", "fused_static", "next_takes",
-    "next_digits", "weights_first"))
-def _block(layer: Layer, x_BTD, normed_BTD, kv, end_B, positions_BT, mask_BTS, inv_freq,
-           unroll_BT, fused_args, next_norm, next_w, down_bounds, *, cfg: ModelConfig, window,
-           moe: bool, proj, fuse, rope_scale, axis, fused_static, next_takes: bool,
-           next_digits: bool = False, weights_first: bool = False):
-    """One decoder block of `_hidden`: returns (x_BTD, normed_BTD, kv), normed_BTD being x_BTD
-    through `next_norm` where `kernels.add_norm` made it (a `kernels.DigitRow` with `next_digits`),
-    else None.
+@partial(jax.jit, inline=True, static_argnames=("plan",))
+def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: LayerPlan):
+    """One decoder block, whatever the plan: returns (x_BTD, normed_BTD, kv), normed_BTD being
+    x_BTD through `inputs.next_norm` where `kernels.add_norm` made it (a `kernels.DigitRow` with
+    `plan.next_digits`), else None.
 
-    Jitted and inlined: layers of one shape trace once, and their equations are copied into the
-    step (a step traced each of its 32 layers, about a second of a warm-cache first call for the
-    8B shape). `next_takes`: whatever comes next (the next qkv or the lm_head) takes `project`'s
-    kernel and folds `next_norm` in itself (`kernels.project_folds_norm`); `next_digits`: it
-    takes the normed row as a `kernels.DigitRow` (`kernels.project_digits`). Each of the
-    projections' kernels asks L2 for the matrix read next (`kernels.prefetched`), the down
-    projection's for `next_w` (that one, or None). `weights_first`: the projections' kernels
-    load their weights before their input (`kernels.weights_first`). `down_bounds`: (the step's
-    `kernels.down_bounds`, this layer's index in them) where gate/up hands down its output as
-    digits (`_hidden` decides), else None. The rest is as `_hidden` computes it.
+    Jitted and inlined: layers of one shape and plan trace once, and their equations are copied
+    into the step (a step traced each of its 32 layers, about a second of a warm-cache first call
+    for the 8B shape). The projections take `plan.projection`'s kernels: one row folds norms and
+    epilogues into `kernels.project`, 8-32 rows take `kernels.rows_project` (their norms XLA's,
+    o's output paired with the residual by `add_norm`), none XLA's forms.
     """
-    eps = cfg.rms_norm_eps
-    fused = None if fused_args is None else (*fused_args, *fused_static)
+    cfg, eps, how = plan.cfg, plan.cfg.rms_norm_eps, plan.projection
+    wo_ahead, gate_up_ahead, down_ahead, _ = plan.prefetch
+    first = plan.weights_first
+    fused = None if inputs.fused_args is None else \
+        (*inputs.fused_args, plan.attention == "interpret", plan.split_out, how.tuning)
     with jax.named_scope("attention"):
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
-        qkv_BTKJH = _normed_project(proj, x_BTD, normed_BTD, layer.wqkv, layer.attn_norm, eps,
-                                    bias_N=bias, prefetch=(layer.wo,), weights_first=weights_first)
-        heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, positions_BT, kv, end_B,
-                                         mask_BTS, inv_freq, rope_scale, window, unroll_BT, fused)
-        ffn_kernel = proj and not moe and kernels.project_takes(layer.w_gate_up, proj, swiglu=True)
-        ffn_norm = ffn_kernel and kernels.project_folds_norm(layer.w_gate_up, proj, swiglu=True)
-        if proj:  # with the FFN's norm in project's kernel, o's kernel adds the residual
+        qkv_BTKJH = _normed_project(how, x_BTD, normed_BTD, layer.wqkv, layer.attn_norm, eps,
+                                    bias_N=bias, prefetch=(layer.wo,) if wo_ahead else (),
+                                    weights_first=first)
+        heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, inputs.positions_BT, kv,
+                                         inputs.end_B, inputs.mask_BTS, inputs.inv_freq,
+                                         plan.rope_scale, plan.window, inputs.unroll_BT, fused)
+        if how.family:  # with the FFN's norm in gate/up's kernel, o's kernel adds the residual
             wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
-            out_BTD = _project(proj, heads_BTC, wo_DC, bias_N=layer.bo,
-                               residual=x_BTD if ffn_norm else None, prefetch=(layer.w_gate_up,),
-                               weights_first=weights_first)
+            out_BTD = _project(how, heads_BTC, wo_DC, bias_N=layer.bo,
+                               residual=x_BTD if plan.ffn_norm_folded else None,
+                               prefetch=(layer.w_gate_up,) if gate_up_ahead else (),
+                               weights_first=first)
         else:
-            out_BTD = _attention_out(cfg, layer, heads_BTC, axis)
-        ffn_digits = ffn_kernel and kernels.project_digits(layer.w_gate_up, proj, swiglu=True)
-        x_BTD, normed_BTD = (out_BTD, None) if ffn_norm else \
-            _add_norm(fuse, x_BTD, out_BTD, layer.mlp_norm, eps, digits=ffn_digits)
-    with jax.named_scope("moe" if moe else "mlp"):
-        folds = ffn_kernel and next_takes
-        if ffn_kernel:
-            act_BTF = _normed_project(proj, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
-                                      eps, swiglu=True, prefetch=(layer.w_down,),
-                                      weights_first=weights_first, down_digits_of=down_bounds)
-            out_BTD = _project(proj, act_BTF, layer.w_down, residual=x_BTD if folds else None,
-                               prefetch=(next_w,), weights_first=weights_first)
+            out_BTD = _attention_out(cfg, layer, heads_BTC, plan.axis)
+        x_BTD, normed_BTD = (out_BTD, None) if plan.ffn_norm_folded else \
+            _add_norm(plan.add_norm, x_BTD, out_BTD, layer.mlp_norm, eps, digits=plan.ffn_digits,
+                      tuning=how.tuning)
+    with jax.named_scope("moe" if plan.moe else "mlp"):
+        if plan.ffn_kernel:
+            act_BTF = _normed_project(how, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
+                                      eps, swiglu=True, prefetch=(layer.w_down,) if down_ahead else (),
+                                      weights_first=first, down_digits_of=inputs.down_bounds,
+                                      wide=plan.gate_up_wide)
+            out_BTD = _project(how, act_BTF, layer.w_down,
+                               residual=x_BTD if plan.next_folds else None,
+                               prefetch=() if inputs.next_w is None else (inputs.next_w,),
+                               weights_first=first)
         else:
             if normed_BTD is None:
                 normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)
-            out_BTD = _ffn_block(cfg, moe, layer, normed_BTD, axis)
-        # folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
-        return (out_BTD, None, kv) if folds else \
-            (*_add_norm(fuse, x_BTD, out_BTD, next_norm, eps, digits=next_digits), kv)
+            out_BTD = _ffn_block(cfg, plan.moe, layer, normed_BTD, plan.axis, plan.route, how.tuning)
+        # next_folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
+        return (out_BTD, None, kv) if plan.next_folds else \
+            (*_add_norm(plan.add_norm, x_BTD, out_BTD, inputs.next_norm, eps,
+                        digits=plan.next_digits, tuning=how.tuning), kv)
 
 
-@partial(jax.jit, inline=True, static_argnames=("cfg", "window", "mode", "rope_scale",
-                                                 "fused_static"))
-def _rows_block(layer: Layer, x_BTD, kv, end_B, positions_BT, mask_BTS, inv_freq, fused_args, *,
-                cfg: ModelConfig, window, mode: str, rope_scale, fused_static):
-    """One decoder block of a decode step of 8-32 rows (`_rows_mode`), its matrices through
-    `kernels.rows_project`, whose kernels add the biases and down's residual and make SwiGLU:
-    returns (x_BTD, kv). The norm before qkv is XLA's; o's output goes with the residual through
-    `kernels.add_norm`, whose kernel makes the FFN's normed input, rounded as before (the sum to
-    the model dtype, then the norm). Against o adding the residual in its epilogue and XLA's norm
-    after it, same runs (H200, 2026-12-01, `.device/run125.sh`, `run127.sh`): the 8B shape at
-    batch 32 4.6823-4.6924 ms a step against 4.6979-4.7120 in five alternating rounds, Mistral-7B
-    4.4817 and 4.4867 against 4.5210 and 4.5229; as landed, on a faster machine (`run128.sh`),
-    4.5662-4.5826 against 4.5951-4.6089. Our reading, not measured apart: add_norm's PDL signal
-    lets gate/up's kernel launch before it ends. The norm before qkv through it too (down without
-    its residual) took 4.6798 and 4.6904, no better, so that one stays XLA's."""
-    eps = cfg.rms_norm_eps
-    B, T, D = x_BTD.shape
-    x_MD = x_BTD.reshape(B * T, D)
-    project = partial(kernels.rows_project, eps=eps, mode=mode)
-    fused = None if fused_args is None else (*fused_args, *fused_static)
-    with jax.named_scope("attention"):
-        bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
-        qkv_MC = project(x_MD, layer.wqkv.reshape(-1, D), norm_C=layer.attn_norm, bias_N=bias)
-        heads_BTC, kv = _attention_block(cfg, layer, qkv_MC.reshape(B, T, *layer.wqkv.shape[:-1]),
-                                         positions_BT, kv, end_B, mask_BTS, inv_freq, rope_scale,
-                                         window, None, fused)
-        out_MD = project(heads_BTC.reshape(B * T, -1), layer.wo.reshape(layer.wo.shape[0], -1),
-                         bias_N=layer.bo)
-        x_MD, normed_MD = kernels.add_norm(x_MD, out_MD, layer.mlp_norm, eps,
-                                           mode=kernels.add_norm_mode(x_MD.dtype))
-    with jax.named_scope("mlp"):
-        act_MF = project(normed_MD, layer.w_gate_up, swiglu=True)
-        x_MD = project(act_MF, layer.w_down, residual_MN=x_MD)
-    return x_MD.reshape(B, T, D), kv
-
-
-def _rows_mode(params: Params, B: int, T: int, axis=None, fresh: bool = False) -> str | None:
-    """Whether a step's blocks take `_rows_block`: a decode step (not inside shard_map) of
-    kernels.ROWS_MIN to ROWS_MAX rows of a dense float model whose every matrix the kernel's
-    tiles divide (`kernels.rows_tiles`) and, below kernels.ROWS_ANY_SIZE rows, is large
-    (`kernels.rows_sized`)."""
-    if T != 1 or fresh or axis is not None or params.config.num_experts:
-        return None
-    mode = kernels.rows_project_mode(params.dtype, B)
-
-    def divided(layer):  # (outputs, channels) of qkv, o, gate/up and down
-        qkv, o, gate_up, down = layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down
-        shapes = ((math.prod(qkv.shape[:-1]), qkv.shape[-1]), (o.shape[0], math.prod(o.shape[1:])),
-                  gate_up.shape[1:], down.shape)
-        return (not isinstance(qkv, QuantizedWeight) and kernels.rows_sized(B, shapes)
-                and all(kernels.rows_tiles(*shape) for shape in shapes))
-    return mode if mode and all(divided(layer) for layer in params.layers) else None
-
-
-def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False):
+def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False,
+              tuning=None):
     """(x + delta, its rms_norm by norm_D) through `kernels.add_norm` under `mode`; (x + delta,
     None) when there is no mode or no norm to apply, the consumer norming it itself. With
     `digits` the normed row may come as a `kernels.DigitRow` (its x [B, T, D])."""
@@ -378,29 +291,24 @@ def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bo
         return x_BTD + delta_BTD, None
     B, T, D = x_BTD.shape
     sum_MD, normed = kernels.add_norm(x_BTD.reshape(B * T, D), delta_BTD.reshape(B * T, D),
-                                      norm_D, eps, mode=mode, digits=digits)
+                                      norm_D, eps, mode=mode, digits=digits, tuning=tuning)
     if isinstance(normed, kernels.DigitRow):
         return sum_MD.reshape(B, T, D), normed.replace(x=normed.x.reshape(B, T, D))
     return sum_MD.reshape(B, T, D), normed.reshape(B, T, D)
 
 
-def _normed_project(mode: str | None, x_BTD, normed_BTD, w, norm_D, eps: float, **kw):
+def _normed_project(how: Projection, x_BTD, normed_BTD, w, norm_D, eps: float, **kw):
     """`_project` of x through norm_D against w: of normed_BTD where `kernels.add_norm` made it,
-    else with the norm folded into `kernels.project`."""
+    else with the norm folded into the projection."""
     if normed_BTD is None:
-        return _project(mode, x_BTD, w, norm_C=norm_D, eps=eps, **kw)
-    return _project(mode, normed_BTD, w, **kw)
+        return _project(how, x_BTD, w, norm_C=norm_D, eps=eps, **kw)
+    return _project(how, normed_BTD, w, **kw)
 
 
-def _project_mode(params: Params, B: int, T: int, axis=None) -> str | None:
-    """Whether a step's projections take `kernels.project` (decode steps, not inside shard_map)."""
-    return kernels.decode_project_mode(params.dtype, B) if T == 1 and axis is None else None
-
-
-def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
-    """`kernels.project` of [B, T, C] activations (or a decode step's `kernels.SplitHeads`)
-    against w [O..., C], or with `swiglu` against gate/up [2, F, C]; returns [B, T, O...]
-    ([B, T, F]). Its kernel runs under `mode` (see `_project_mode`), XLA's form otherwise."""
+def _project(how: Projection, x_BTC, w, *, residual=None, **kw):
+    """The projection of [B, T, C] activations (or a decode step's `kernels.SplitHeads`, or a
+    `kernels.DigitRow`) against w [O..., C], or with `swiglu` against gate/up [2, F, C]; returns
+    [B, T, O...] ([B, T, F]), through `how`'s kernel family, XLA's form where it has none."""
     C = w.shape[-1]
     if isinstance(x_BTC, kernels.SplitHeads):  # a decode step's heads, one token per row
         B, T, x_MC = x_BTC.acc.shape[0], 1, x_BTC
@@ -414,47 +322,38 @@ def _project(mode: str | None, x_BTC, w, *, residual=None, **kw):
     outs = w.shape[1:2] if swiglu else w.shape[:-1]
     w = w if swiglu else w.reshape(-1, C)
     residual_MN = None if residual is None else residual.reshape(B * T, -1)
-    y_MN = kernels.project(x_MC, w, residual_MN=residual_MN, mode=mode, **kw)
+    if how.family == "rows":  # no prefetch, weights order, digits or wide programs there
+        y_MN = kernels.rows_project(x_MC, w, residual_MN=residual_MN, mode=how.mode, tuning=how.tuning,
+                                    **{k: v for k, v in kw.items() if k in ("norm_C", "eps", "bias_N", "swiglu")})
+    else:
+        y_MN = kernels.project(x_MC, w, residual_MN=residual_MN, mode=how.mode, tuning=how.tuning, **kw)
     if isinstance(y_MN, kernels.DigitRow):  # gate/up's output for down, with its digits
         return y_MN.replace(x=y_MN.x.reshape(B, T, *outs))
     return y_MN.reshape(B, T, *outs)
 
 
-def logits(params: Params, x_BTD, proj: str | None = None, normed_BTD=None):
-    """Final norm and output projection; float32 logits [B, T, V]. `proj`: see `_project_mode`;
-    `normed_BTD`: x_BTD already through the final norm (see `_hidden`)."""
+def logits(params: Params, x_BTD, head: Projection | None = None, normed_BTD=None):
+    """Final norm and output projection; float32 logits [B, T, V]. `head`: the step plan's
+    projection for the lm_head (None: XLA's); `normed_BTD`: x_BTD already through the final norm
+    (see `_hidden`)."""
+    head = head or Projection()
     with jax.named_scope("lm_head"):
         head_VD = params.embed if params.lm_head is None else params.lm_head
         if normed_BTD is not None:
-            return _project(proj, normed_BTD, head_VD, out_dtype=jnp.float32)
-        return _project(proj, x_BTD, head_VD, norm_C=params.final_norm,
+            return _project(head, normed_BTD, head_VD, out_dtype=jnp.float32)
+        return _project(head, x_BTD, head_VD, norm_C=params.final_norm,
                         eps=params.config.rms_norm_eps, out_dtype=jnp.float32)
 
 
-# Compiling a program cold, XLA's autotuner times candidate kernels on fresh copies of their
-# operands, each between two 8 MiB redzones, while the weights are resident. Its fusion autotuner
-# (XLA's own emitters against Triton's block-level one, for every fusion) copied the lm_head to
-# time a decode step's lm_head reduction: a process compiling cold peaked at 133.2% (SmolLM2),
-# 122.0% (Qwen3-0.6B) and 119.8% (Llama-3.2-1B) of weights + KV cache + one step's activations.
-# With it off and redzones of 64 KiB: 108.5%, 101.7% and 101.4%, as with a warm compilation cache
-# (108.5%, 101.7%, 99.5%); the 8B shape 100.8% against 105.8%, in int8 102.9% against 104.8%
-# (H200, bench, batch 1, an empty cache per process). It had picked Triton's emitter for 1 to 3
-# fusions of 60-70 (the loop's stop test; in the 8B shape a decode step's qkv reduction and the
-# attention output's convert, 0.2 and 1.5 us faster alone), yet without it the 8B shape's decode
-# step took 3.819-3.824 ms against 3.869-3.873 (three alternating rounds); Qwen3-0.6B 0.666-0.671
-# against 0.662-0.668 there, 0.6558-0.6604 against 0.6543-0.6634 on another machine (five
-# rounds); batch 32 4.691 against 4.676 (one round), int8 2.473 against 2.474, a
-# 2048-token prefill 47.38-47.82 ms against 46.86-47.43 (three rounds). The model's programs
-# (forward, step, generate's loop) compile so; XLA_FLAGS naming an option when jaxllm is
-# imported leave XLA's default.
-AUTOTUNE_OPTIONS = {name: value for name, value in {
-    "xla_gpu_experimental_enable_fusion_autotuner": False,
-    "xla_gpu_redzone_padding_bytes": 1 << 16,
-}.items() if name not in os.environ.get("XLA_FLAGS", "")}
+def _plan(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False) -> StepPlan:
+    B, T = tokens_BT.shape
+    return step_plan(params, B, T, axis=axis, fresh=fresh, cache_length=cache.length,
+                     kv_int8=cache.k_scale is not None)
 
 
 def _forward_local(params: Params, tokens_BT, cache: KVCache, axis=None):
-    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh=True)
+    plan = _plan(params, tokens_BT, cache, axis, fresh=True)
+    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, plan, fresh=True)
     return logits(params, x_BTD, normed_BTD=normed_BTD), cache
 
 
@@ -469,13 +368,13 @@ def _forward(params: Params, tokens_BT):
 
 def _step_local(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False,
                 rotation=None, all_logits: bool = False):
-    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, axis, fresh, rotation)
-    proj = _project_mode(params, *tokens_BT.shape, axis)
+    plan = _plan(params, tokens_BT, cache, axis, fresh)
+    x_BTD, normed_BTD, cache = _hidden(params, tokens_BT, cache, plan, fresh, rotation)
     if all_logits:
-        return logits(params, x_BTD, proj, normed_BTD), cache
+        return logits(params, x_BTD, plan.head, normed_BTD), cache
     if normed_BTD is not None and not isinstance(normed_BTD, kernels.DigitRow):  # one row if digits
         normed_BTD = normed_BTD[:, -1:]
-    return logits(params, x_BTD[:, -1:], proj, normed_BTD)[:, 0], cache
+    return logits(params, x_BTD[:, -1:], plan.head, normed_BTD)[:, 0], cache
 
 
 def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotation=None,

@@ -1,12 +1,9 @@
 """What a GPU's clock and power did while a block of work ran: NVML samples, through nvidia-ml-py.
 
-On an H200 (700 W limit) the 8B shape's decode steps, at batch 1 and 32, and its 2048-token
-prefill all run at the power limit: NVML gives the software power cap as the reason the clocks
-are held, and the SM clock drops from 1980 MHz to 1500-1560 in a prefill or a matmul that runs
-for a second, and dips as low as 1230-1830 in decode steps. An 8192-cube matmul timed for 75 ms
-ends before the cap acts (1980 MHz, 763 TFLOP/s); timed for 0.8 s it ran 702 (`.device/probe_power.py`).
-So a speed means little without the clock it ran at, and a rate compared with another should
-be measured under the same load. `scripts/bench.py` records this for each phase it times.
+A large model's steps on a GPU run at the board's power limit, its clocks held below their
+maximum (figures: docs/tracing.md#clocks-and-power-is-the-gpu-at-its-power-limit), so a speed
+means little without the clock it ran at, and a rate compared with another should be measured
+under the same load. `scripts/bench.py` records this for each phase it times.
 
     with telemetry.sample() as s:   # jax.devices()[0] unless a device (or a list) is given
         work()

@@ -26,7 +26,11 @@ import pytest
 
 import jaxllm
 from jaxllm import kernels
+from jaxllm.kernels import tuning as tuning_module
+from jaxllm.kernels.rows_project import supports as rows_supports
 from jaxllm.layers import dense as L
+from jaxllm.layers import moe as moe_layers
+from jaxllm.model import plan
 from jaxllm.layers.quant import quantize
 from jaxllm.model import transformer as model
 from jaxllm.model.cache import init_cache
@@ -54,6 +58,9 @@ def _ragged_batch(name: str, seed: int):
 def _with_switches(switches: dict, run, module=kernels):
     """run() with the module flags of `module` (`kernels` by default) set as `switches` says, jit
     caches cleared around it, the flags restored after."""
+    if module is kernels:  # the knobs of the process's KernelTuning, by their JAXLLM names
+        module, switches = tuning_module, {"TUNING": dataclasses.replace(
+            tuning_module.TUNING, **{name.lower(): value for name, value in switches.items()})}
     saved = {name: getattr(module, name) for name in switches}
     for name, value in switches.items():
         setattr(module, name, value)
@@ -237,7 +244,7 @@ def test_project_int8_gate_up_from_add_norm_digits():
     got = kernels.project(row, w_int8, swiglu=True, mode="gpu")
     want = kernels.project(_upcast(v["x"]), w_int8.replace(dtype=f32), norm_C=_upcast(v["g"]),
                            eps=1e-5, swiglu=True)
-    assert isinstance(row, kernels.DigitRow) and kernels.project_digits(w_int8, "gpu", True), \
+    assert isinstance(row, kernels.DigitRow) and plan.project_digits(w_int8, "gpu", True), \
         "NOT TAKEN"
     assert rel(got, want) <= 2e-2
 
@@ -249,7 +256,7 @@ def test_project_int8_lm_head_from_add_norm_digits():
     got = kernels.project(row, head, mode="gpu", out_dtype=f32)
     want = kernels.project(_upcast(v["x"]), head.replace(dtype=f32), norm_C=_upcast(v["g"]),
                            eps=1e-5, out_dtype=f32)
-    assert kernels.project_digits(head, "gpu") or not kernels.INT8_HEAD_DIGITS, "NOT TAKEN"
+    assert plan.project_digits(head, "gpu") or not kernels.current().int8_head_digits, "NOT TAKEN"
     assert rel(got, want) <= 2e-2
 
 
@@ -260,7 +267,7 @@ def test_project_int8_down_from_gate_up_digits():
     w_down_int8 = quantize(v["w_down"])
     bounds = kernels.down_bounds([w_int8])
     act = kernels.project(row, w_int8, swiglu=True, mode="gpu", down_digits_of=(bounds, 0))
-    assert isinstance(act, kernels.DigitRow) and kernels.down_digits(w_down_int8, "gpu"), "NOT TAKEN"
+    assert isinstance(act, kernels.DigitRow) and plan.down_digits(w_down_int8, "gpu"), "NOT TAKEN"
     got = kernels.project(act, w_down_int8, mode="gpu")
     plain = kernels.project(row, w_int8, swiglu=True, mode="gpu")
     assert np.array_equal(np.asarray(act.x), np.asarray(plain)), "gate/up's output not the same bits"
@@ -297,7 +304,7 @@ def test_batch1_decode_via_both_kernels_matches_xla(name, int8):
 # -- rows_project (decode steps of 8-32 rows) -----------------------------------------------------
 
 @pytest.mark.parametrize("D, N, F", [(4096, 6144, 14336), (1024, 4096, 3072)])
-@pytest.mark.parametrize("M", [kernels.ROWS_MAX, 5])
+@pytest.mark.parametrize("M", [kernels.current().rows_max, 5])
 @pytest.mark.parametrize("case", ["norm + qkv + bias", "o + residual", "norm + gate/up + swiglu",
                                   "down + residual"])
 def test_rows_project_kernel(D, N, F, M, case):
@@ -315,7 +322,7 @@ def test_rows_project_kernel(D, N, F, M, case):
                 "o + residual": (heads, wo, dict(residual_MN=x)),
                 "norm + gate/up + swiglu": (x, w_gate_up, dict(norm_C=g, swiglu=True)),
                 "down + residual": (act, w_down, dict(residual_MN=x))}[case]
-    assert kernels.rows_takes(m, "gpu", kw.get("swiglu", False)), "NOT TAKEN"
+    assert rows_supports(m, kw.get("swiglu", False)), "NOT TAKEN"
     got = kernels.rows_project(a, m, mode="gpu", eps=1e-5, **kw)
     up = lambda a: a.astype(f32)
     want = kernels.rows_project(up(a), up(m), eps=1e-5,
@@ -330,7 +337,7 @@ def test_rows_decode_via_rows_project_matches_xla(name, rows):
     every kernel, against XLA's: the ragged batch's 3 prompts over and over."""
     cfg, params, tokens, start = _ragged_batch(name, seed=5)
     tokens, start = jnp.tile(tokens, (11, 1))[:rows], jnp.tile(start, 11)[:rows]
-    assert model._rows_mode(params, rows, 1) == "gpu", name
+    assert plan.step_plan(params, rows, 1).layers[0].projection == plan.Projection("rows", "gpu"), name
     outs = _decode_both_ways(cfg, params, tokens, start, ["DECODE_ATTENTION", "ROWS_PROJECT"])
     assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2
 
@@ -341,7 +348,7 @@ def test_rows_generate_unchanged_by_early_launch():
     cfg = PRESETS["smollm2-135m"]
     params = random_params(cfg, 0, jnp.bfloat16)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (32, 20))
-    assert model._rows_mode(params, 32, 1) == "gpu"
+    assert plan.step_plan(params, 32, 1).layers[0].projection == plan.Projection("rows", "gpu")
     run = lambda: _generate(params, ids, 40)
     unsignalled = _with_switches({"PDL_TRIGGER": False}, run)
     assert (run() == unsignalled).all()
@@ -380,9 +387,9 @@ def test_moe_path_matches_dense_float32(E, A, D, F, M, path, grouped, monkeypatc
     gate_up = jax.random.normal(keys[1], (E, 2, F, D), bf16) * 0.02
     down = jax.random.normal(keys[2], (E, D, F), bf16) * 0.02
     x = jax.random.normal(keys[3], (1, M, D), bf16)
-    want = L.moe(x.astype(f32), *(w.astype(f32) for w in (router, gate_up, down)), A, True, path="dense")
-    monkeypatch.setattr(L, "GROUPED_GEMM", grouped)
-    got = jax.jit(lambda *w: L.moe(*w, A, True, path=path))(x, router, gate_up, down)
+    want = moe_layers.moe(x.astype(f32), *(w.astype(f32) for w in (router, gate_up, down)), A, True, path="dense")
+    monkeypatch.setattr(moe_layers, "GROUPED_GEMM", grouped)
+    got = jax.jit(lambda *w: moe_layers.moe(*w, A, True, path=path))(x, router, gate_up, down)
     assert rel(got, want) <= 2e-2
 
 
@@ -394,8 +401,8 @@ def test_route_kernel_matches_xla(E, A, norm, M):
     x = jax.random.normal(keys[0], (M, 2048), bf16).at[0].set(0)  # row 0: all tie
     router = jax.random.normal(keys[1], (E, 2048), bf16) * 0.05
     # The same bf16 logits into both (XLA may keep a fused product's excess precision).
-    logits = jax.jit(L.router_logits)(x, router)
-    want = jax.jit(L.pick_experts, static_argnums=(1, 2))(logits, A, norm)
+    logits = jax.jit(moe_layers.router_logits)(x, router)
+    want = jax.jit(moe_layers.pick_experts, static_argnums=(1, 2))(logits, A, norm)
     got = kernels.pick_experts(logits, A, norm)
     assert float(np.mean(np.asarray(got[0]) != np.asarray(want[0]))) == 0, "experts not as XLA's"
     assert rel(got[1], want[1]) <= 1e-5, "weights"
@@ -418,10 +425,10 @@ def test_moe_models_routed_by_kernel_match_xla(name):
 @pytest.mark.parametrize("name, int8", [("qwen3-30b-a3b", False), ("qwen3-30b-a3b", True),
                                         ("mixtral-8x7b", False)])
 def test_moe_swiglu_in_the_reduction_same_bits(name, int8):
-    """The gathered experts' SwiGLU as one variadic reduction (`layers.MOE_SWIGLU_REDUCE`) against
+    """The gathered experts' SwiGLU as one variadic reduction (`layers.moe.MOE_SWIGLU_REDUCE`) against
     one reduction and a multiply kernel: the same bits, in decode steps and generate."""
     def on_and_off(run):  # run() with the switch on (as it stands), then off
-        return run(), _with_switches({"MOE_SWIGLU_REDUCE": False}, run, module=L)
+        return run(), _with_switches({"MOE_SWIGLU_REDUCE": False}, run, module=moe_layers)
     cfg, params, tokens, start = _ragged_batch(name, seed=7)
     if int8:
         params = quantize_params(params)

@@ -1,0 +1,163 @@
+"""What the kernel families share: their mode under a switch, Hopper's early-launch signal (PDL),
+the int8 -> float32 convert and the L2 prefetch, both as inline PTX, and small tile helpers."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxllm import runtime
+from jaxllm.kernels.tuning import KernelTuning
+
+NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
+
+
+def mode(switch: str, dtype) -> str | None:
+    """A kernel's mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu" for a
+    float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's form;
+    float32 models keep XLA's exact arithmetic)."""
+    if switch in ("xla", "interpret"):
+        return None if switch == "xla" else "interpret"
+    if runtime.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return None
+    return "gpu"
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n: a Triton tile's extent, its excess masked."""
+    return 1 << (n - 1).bit_length()
+
+
+# Hopper's programmatic dependent launch: ours signal at their start, so the next kernel's programs
+# are resident, waiting, when this one ends (docs/decisions/one-row-projection.md#early-launch-of-the-next-kernel-pdl).
+def pdl_trigger(interpret: bool, tuning: KernelTuning) -> bool:
+    """Whether a kernel signals its dependents: on a GPU from Hopper on (griddepcontrol is sm_90)."""
+    return tuning.pdl_trigger and not interpret and runtime.gpu_generation() >= 9
+
+
+def launch_dependents(x):
+    """The int32 scalar x, after griddepcontrol.launch_dependents (asm that returns x, so that the
+    signal stays where x is made and is kept as long as x is used)."""
+    (y,) = plt.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\nmov.b32 $0, $1;", args=[jnp.zeros((1,), jnp.int32) + x],
+        constraints="=r,r", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return jnp.max(y)
+
+
+def dot_t(a_MK, b_NK):
+    """a @ b.T in float32 (a tensor-core dot of the contracted minor axes)."""
+    return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def swiglu(gate, up, dtype):
+    """silu(gate) * up in float32, from float32 sums, rounded as `layers.mlp` rounds it: the
+    products in the model's dtype, then silu(gate) in it."""
+    gate, up = (y.astype(dtype).astype(jnp.float32) for y in (gate, up))
+    return (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(jnp.float32) * up
+
+
+def power_of_2(n):
+    """2^n in float32 for integer n in [-126, 127], exactly (the exponent field)."""
+    return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+# int8 -> float32 by two full-rate instructions a value: each byte, offset to u = q + 128, is
+# permuted into the low byte of 0x4B000000, the float 2^23 (a 23-bit mantissa), giving the float
+# 2^23 + u exactly; subtracting 2^23 + 128 leaves q. Four values a 32-bit register.
+_INT8_ASM = """{
+.reg .b32 u;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 $0, u, 0x4B000000, 0x7440;
+prmt.b32 $1, u, 0x4B000000, 0x7441;
+prmt.b32 $2, u, 0x4B000000, 0x7442;
+prmt.b32 $3, u, 0x4B000000, 0x7443;
+}"""
+
+
+def to_f32(w, permute: bool):
+    """A loaded weight tile as float32; int8 through `_INT8_ASM` when `permute` (GPU only)."""
+    if not (permute and w.dtype == jnp.int8):
+        return w.astype(jnp.float32)
+    (bits,) = plt.elementwise_inline_asm(
+        _INT8_ASM, args=[w], constraints="=r,=r,=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.int32)])
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) - (2.0**23 + 128)
+
+
+# L2 prefetch: `project`'s kernel asks L2 for the next projection's small matrix once its own sums
+# are made, with Hopper's bulk prefetch (cp.async.bulk.prefetch.L2) or a line at a time
+# (docs/decisions/one-row-projection.md#l2-prefetch-of-the-next-matrix). Pallas has no prefetch
+# and its refs' addresses are not values, so a small primitive does it.
+PREFETCH_PIECE = 4096  # the least bytes one lane asks for
+# Lane t of program p (of P) asks for piece t*A + p - (P - A), A this many times the
+# multiprocessors (or P): each piece asked once in every A-th program, the last among the last A.
+PREFETCH_STRIDE_PER_MULTIPROCESSOR = 2
+_PREFETCH_ASM = """{
+.reg .pred p;
+setp.ne.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.b32 $0, 0;
+}"""
+# Where a layer's weights come from HBM (not `weights_first`), the kernel asks a line at a time# A line at a time (prefetch.global.L2::evict_last): the bulk copy holds the asking kernel open until
+# what it asked for has come, a line asked for does not.
+PREFETCH_LINE_COUNT = 16  # lines one lane asks for, at most: a matrix needing more is not asked for
+_PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
+    f"setp.gt.s32 p, $2, {128 * i};\n@p prefetch.global.L2::evict_last [$1+{128 * i}];\n"
+    for i in range(PREFETCH_LINE_COUNT)) + "mov.b32 $0, 0;\n}"
+
+
+def _prefetch_primitive(asm: str, name: str):
+    """The primitive (ref, element offsets [n], byte counts [n]) -> int32 [n] zeros that asks L2
+    for those ranges of ref by `asm` (a count of 0 asks nothing), or None where JAX's internals
+    differ."""
+    try:
+        from jax._src import core as jax_core
+        from jax._src.interpreters import partial_eval as pe
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.triton import dialect as tt_dialect
+        from jax._src.pallas.triton import lowering as triton_lowering
+        add, broadcast = triton_lowering._add, triton_lowering._bcast_to
+    except (ImportError, AttributeError):
+        return None
+    prim = jax_core.Primitive(name)
+    prim.def_abstract_eval(lambda ref, offsets, counts: jax_core.ShapedArray(offsets.shape, jnp.int32))
+    pe.dce_rules[prim] = lambda used, eqn: ([True] * len(eqn.invars), eqn)  # its effect is the point
+
+    @triton_lowering.register_lowering(prim)
+    def _lower(ctx, ptr, offsets, counts):
+        shape = ctx.avals_in[1].shape
+        out = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32))
+        return tt_dialect.elementwise_inline_asm(
+            [out], asm, constraints="=r,l,r", pure=False, packed_element=1,
+            args=[add(broadcast(ptr, shape), offsets), counts])
+
+    return prim
+
+
+PREFETCH_P = _prefetch_primitive(_PREFETCH_ASM, "jaxllm_l2_prefetch")
+PREFETCH_LINES_P = _prefetch_primitive(_PREFETCH_LINES_ASM, "jaxllm_l2_prefetch_lines")
+
+def can_prefetch() -> bool:
+    """Whether kernels can ask L2 for a matrix here: a GPU from Hopper on, JAX's internals as known."""
+    return PREFETCH_P is not None and runtime.gpu_generation() >= 9
+
+
+def prefetch(ref, programs: int, lanes: int, after, lines: bool = False):
+    """Ask L2 for all of the flat ref, in pieces dealt to the lanes of the kernel's `programs`
+    (see PREFETCH_STRIDE_PER_MULTIPROCESSOR); `after`, a float the program computed, holds the
+    asks back until it is made. With `lines`, a line at a time, each piece
+    asked for once, by one lane of one program."""
+    nbytes = ref.shape[0] * jnp.dtype(ref.dtype).itemsize // 16 * 16  # bulk sizes are of 16s
+    if lines:  # pieces of whole lines, every program's lanes sharing the matrix
+        stride = programs
+        piece = -(-nbytes // (stride * lanes * 128)) * 128
+        if piece > 128 * PREFETCH_LINE_COUNT:
+            return
+    else:
+        stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * runtime.multiprocessors())
+        piece = max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
+    q = jnp.arange(lanes, dtype=jnp.int32) * stride + pl.program_id(0) - (programs - stride)
+    counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: no piece
+    counts = jnp.where(jnp.isnan(after), 0, counts)  # never true for a sum made; but it waits
+    offsets = jnp.where(counts > 0, q * (piece // jnp.dtype(ref.dtype).itemsize), 0)
+    (PREFETCH_LINES_P if lines else PREFETCH_P).bind(ref, offsets, counts)

@@ -1,0 +1,276 @@
+"""One-row projection (batch-1 decode): [residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or
+SwiGLU's silu(gate) * up, with the norm and the epilogue folded into the product's own kernel, where
+XLA ran each as a kernel of its own (docs/decisions/one-row-projection.md). Takes float matrices up
+to `kernel_max_weights` and int8 ones, converted in registers, up to `kernel_max_int8_weights`."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxllm.kernels import digits as D
+from jaxllm.kernels.common import (NEG, launch_dependents, pdl_trigger, pow2, prefetch as _prefetch,
+                                   swiglu as _swiglu, to_f32 as _to_f32)
+from jaxllm.kernels.decode_attention import SplitHeads
+from jaxllm.kernels.digits import DOWN_DIGITS, DigitRow
+from jaxllm.kernels.tuning import KernelTuning, current
+from jaxllm.layers import dense as L
+from jaxllm.layers.quant import QuantizedWeight, stored
+
+
+def supports(w_NC, swiglu: bool = False, biased: bool = False, tuning: KernelTuning | None = None) -> bool:
+    """Whether the kernel takes w for one row: at most `kernel_max_weights` weights (int8 ones
+    `kernel_max_int8_weights`; past those XLA's reduction streams faster), and no SwiGLU with a bias."""
+    t = tuning or current()
+    limit = t.kernel_max_int8_weights if isinstance(w_NC, QuantizedWeight) else t.kernel_max_weights
+    return math.prod(w_NC.shape) <= limit and not (swiglu and biased)
+
+
+def int8_tiled(w_NC, tuning: KernelTuning | None = None) -> bool:
+    """Whether w is a large int8 matrix, past `kernel_max_weights`: in `int8_tiles`, its norm apart."""
+    return isinstance(w_NC, QuantizedWeight) and math.prod(w_NC.shape) > (tuning or current()).kernel_max_weights
+
+
+def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
+            swiglu: bool = False, out_dtype=None, mode: str | None = None, prefetch=(),
+            weights_first: bool = False, down_digits_of=None, wide: bool | None = None,
+            tuning: KernelTuning | None = None):
+    """[residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or with `swiglu` (w [2, F, C]: gate
+    and up) silu(gate) * up: XLA's `layers` arithmetic, in one kernel when `mode` is "gpu" or
+    "interpret", x is one row and `supports` w, else in XLA.
+
+    w may be a `QuantizedWeight` (int8 rows, per-output scales), converted in registers.
+    The kernel scales each row's products by the norm's inverse RMS after the sum (exact in real
+    arithmetic), where XLA rounds the normalized x to its dtype first.
+    x may be a `SplitHeads` (the heads of a decode step's attention, C = K*G*H) for a product
+    without norm or SwiGLU: the kernel then combines the splits as it loads them, where they are
+    few enough (`fused_heads_values`); else XLA combines them first.
+    `prefetch`: matrices that a later kernel reads, which the kernel asks L2 for as it finishes
+    (on a GPU), a hint that changes no result. `weights_first`: the kernel asks for its weights
+    before its input, where they fit one chunk; the same result, bit for bit. A float matrix's
+    kernel makes the norm's sum of squares after the products (`squares_last`), also bit for bit.
+    `wide`: SwiGLU's programs take as many gate and up rows as others take rows (None: the
+    tuning's `gate_up_wide`). The step plan (`jaxllm.model.plan`) makes these choices.
+    x may be a `DigitRow` (`add_norm`'s, with `digits`): an int8 w that `digits.supports` then
+    takes the tensor-core kernel; any other w, the row's x. With `down_digits_of` (the step's
+    `down_bounds` and the layer's index in them) the gate/up kernel returns its output as a
+    `DigitRow` too, for the down projection, which then takes the same kernel from it.
+    """
+    t = tuning or current()
+    if isinstance(x_MC, DigitRow):
+        plain = norm_C is None and bias_N is None and residual_MN is None
+        kind = "down" if x_MC.count == DOWN_DIGITS else "gate_up" if swiglu else "head"
+        if plain and mode is not None and isinstance(w_NC, QuantizedWeight) and D.supports(w_NC, kind, t):
+            return D.digits_call(x_MC, w_NC, *(down_digits_of or ()), kind=kind,
+                                 out_dtype=jnp.dtype(out_dtype or x_MC.x.dtype),
+                                 interpret=mode == "interpret", tuning=t)
+        x_MC = x_MC.x
+    heads = x_MC if isinstance(x_MC, SplitHeads) else None
+    if heads is not None:
+        M, C = heads.acc.shape[0], math.prod(heads.acc.shape[2:])
+        out_dtype = out_dtype or heads.dtype
+    else:
+        M, C = x_MC.shape
+        out_dtype = out_dtype or x_MC.dtype
+    padded = pow2(C)
+    takes = M == 1 and mode is not None and supports(w_NC, swiglu, bias_N is not None, t)
+    if heads is not None and not (takes and norm_C is None and not swiglu
+                                  and heads_values(heads) <= t.fused_heads_values):
+        x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines the splits
+    if not takes:
+        return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    float_w = not isinstance(w_NC, QuantizedWeight)  # its own tiles and order below where int8
+    if int8_tiled(w_NC, t):
+        rows, max_chunk, warps = t.int8_tiles
+        chunk = min(padded, max_chunk)
+        if C % chunk and (C & -C) >= chunk // 2:  # whole chunks, not an overlapping last one
+            chunk = C & -C
+        rows = min(rows, width & -width)
+    else:
+        chunk = padded if float_w and C <= t.one_chunk_channels else min(padded, t.max_chunk)
+        # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
+        # gate and up sharing the weights, but where gate/up comes from HBM unasked (`gate_up_wide`)
+        halved = swiglu and not (t.gate_up_wide if wide is None else wide)
+        rows = min(max(2, t.program_elements // chunk // (2 if halved else 1)), width & -width)
+        warps = t.project_warps
+    interpret = mode == "interpret"
+    ahead = () if interpret else tuple(  # int8 bytes only: the scales are few
+        stored(w) for w in prefetch)
+    return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead, eps=eps,
+                                swiglu=swiglu, out_dtype=jnp.dtype(out_dtype), rows=rows,
+                                chunk=chunk, warps=warps, interpret=interpret,
+                                lines=t.prefetch_lines and not weights_first,
+                                weights_first=weights_first and heads is None and C <= chunk,
+                                squares_last=t.squares_last and float_w,
+                                permute_int8=not interpret and t.int8_convert == "permute",
+                                trigger=pdl_trigger(interpret, t))
+
+
+def heads_values(heads: SplitHeads) -> int:
+    """The values of a `SplitHeads` row as the kernel holds them: splits and K*G to powers of two."""
+    _, P, K, G, H = heads.acc.shape
+    return pow2(P) * pow2(K * G) * H
+
+
+def project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype):
+    """`project` as the layers compose it in XLA."""
+    if norm_C is not None:
+        x_MC = L.rms_norm(x_MC, norm_C, eps)
+    if swiglu:
+        y_MN = L.project(x_MC, w_NC)
+        y_MN = jax.nn.silu(y_MN[:, 0]) * y_MN[:, 1]
+    else:
+        y_MN = L.project(x_MC, w_NC, out_dtype)
+    if bias_N is not None:
+        y_MN = y_MN + bias_N
+    return y_MN if residual_MN is None else residual_MN + y_MN
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "out_dtype", "rows", "chunk",
+                                             "warps", "interpret", "weights_first",
+                                             "squares_last", "lines", "permute_int8",
+                                             "trigger"))
+def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, eps, swiglu,
+                         out_dtype, rows, chunk, warps, interpret, weights_first=False,
+                         squares_last=False, lines=False, permute_int8=False, trigger=False):
+    """The pallas_call of `project`: one program per `rows` output channels."""
+    scales = None
+    if isinstance(w_NC, QuantizedWeight):
+        w_NC, scales = w_NC.q, w_NC.scale
+    C, heads = w_NC.shape[-1], None
+    if isinstance(x_MC, SplitHeads):  # as [P, K*G, H] sums, [P, K*G] maxima and denominators
+        _, P, K, G, H = x_MC.acc.shape
+        heads = (P, K * G, H, x_MC.dtype)
+        x_args = [x_MC.acc.reshape(P, K * G, H), x_MC.m.reshape(P, K * G), x_MC.l.reshape(P, K * G)]
+        x_specs = [pl.BlockSpec(a.shape, lambda j, n=a.ndim: (0,) * n) for a in x_args]
+        w_NC = w_NC.reshape(-1, K * G, H)  # rows of weights as [K*G, H], as the heads load
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    if swiglu:  # gate and up rows of the same output channels, as two operands of one array
+        w_specs = [pl.BlockSpec((None, rows, C), lambda j, p=p: (p, j, 0)) for p in (0, 1)]
+        w_args = [w_NC, w_NC]
+        s_specs = [pl.BlockSpec((None, rows), lambda j, p=p: (p, j)) for p in (0, 1)]
+        s_args = [scales, scales]
+    else:
+        zeros = (0,) * (w_NC.ndim - 1)  # [rows, C], or [rows, K*G, H] against heads
+        w_specs, w_args = [pl.BlockSpec((rows, *w_NC.shape[1:]), lambda j: (j, *zeros))], [w_NC]
+        s_specs, s_args = [pl.BlockSpec((rows,), lambda j: (j,))], [scales]
+    if scales is None:
+        s_specs, s_args = [], []
+    else:
+        s_args = [s.astype(jnp.float32) for s in s_args]
+    if heads is None:
+        specs, args = [pl.BlockSpec((1, C), lambda j: (0, 0))], [x_MC]
+    else:
+        specs, args = x_specs, x_args
+    if norm_C is not None:
+        specs.append(pl.BlockSpec((C,), lambda j: (0,)))
+        args.append(norm_C)
+    specs += w_specs + s_specs
+    args += w_args + s_args
+    if bias_N is not None:
+        specs.append(pl.BlockSpec((rows,), lambda j: (j,)))
+        args.append(bias_N)
+    if residual_MN is not None:
+        specs.append(pl.BlockSpec((1, rows), lambda j: (0, j)))
+        args.append(residual_MN)
+    ahead = [a.reshape(-1) for a in ahead]  # flat, as `_prefetch` addresses them
+    specs += [pl.BlockSpec(a.shape, lambda j: (0,)) for a in ahead]
+    args += ahead
+    kernel = functools.partial(
+        _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, norm=norm_C is not None,
+        scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
+        heads=heads, permute_int8=permute_int8, trigger=trigger, ahead=len(ahead), grid=width // rows, lanes=32 * warps,
+        weights_first=weights_first, squares_last=squares_last or weights_first, lines=lines)
+    return pl.pallas_call(
+        kernel, grid=(width // rows,), in_specs=specs,
+        out_specs=pl.BlockSpec((1, rows), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, width), out_dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret, name="decode_project")(*args)
+
+
+def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads,
+                    permute_int8=False, trigger=False, ahead=0, grid=1, lanes=128,
+                    weights_first=False, squares_last=False, lines=False):
+    """One program: `project` for a few output channels, reading their weight rows in as few
+    chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
+    on memory once per chunk, not once per loop step of a pipelined tile. With `heads` (splits,
+    K*G, H, dtype), x_ref and the next two refs are a `SplitHeads`, combined here. With
+    `weights_first` (one chunk, not against heads), the weights are asked for before x (see
+    `weights_first`). With `squares_last` the norm's sum of squares is made after the products
+    rather than between the loads of x and of the weights (`squares_last`)."""
+    refs = list(refs)
+    take = lambda n=1: [refs.pop(0) for _ in range(n)]
+    if heads is not None:
+        m_ref, l_ref = take(2)
+    g_ref = take()[0] if norm else None
+    w_refs = take(2 if swiglu else 1)
+    s_refs = take(len(w_refs)) if scaled else [None] * len(w_refs)
+    b_ref = take()[0] if biased else None
+    r_ref = take()[0] if residual else None
+    ahead_refs = take(ahead)
+    (o_ref,) = refs
+    f32, dtype = jnp.float32, x_ref.dtype
+    rows = w_refs[0].shape[0]
+    program = launch_dependents(pl.program_id(0)) if trigger else 0
+    ys = [jnp.zeros((rows,), f32) for _ in w_refs]
+    squares = jnp.zeros((1,), f32)
+    if heads is not None:  # one load of the weights as [rows, K*G, H], against the combined heads
+        x, real = _combined_heads(x_ref, m_ref, l_ref, *heads)
+        w = plt.load(w_refs[0].at[:, pl.ds(0, real.shape[0]), :], mask=real[None, :, None],
+                     other=0).astype(f32)
+        ys = [jnp.sum(jnp.sum(w * x[None], axis=2), axis=1)]
+    for done in range(0, C if heads is None else 0, chunk):  # a static loop: C / chunk is small
+        # One chunk covering all of a short row (masked past C); for longer rows the last chunk
+        # ends at C, overlapping the one before, its overlap masked.
+        at = done if C <= chunk or done + chunk <= C else C - chunk
+        cols = (at + jnp.arange(chunk) >= done) & (at + jnp.arange(chunk) < C)
+        load = lambda w_ref: plt.load(w_ref.at[:, pl.ds(at, chunk)], mask=cols[None, :], other=0)
+        ws = [load(w_ref) if weights_first else None for w_ref in w_refs]
+        x = raw = plt.load(x_ref.at[pl.ds(0, 1), pl.ds(at, chunk)], mask=cols[None, :],
+                           other=0).astype(f32)
+        if norm:  # the inverse RMS scales the sums after the loop
+            if not squares_last:
+                squares = squares + jnp.sum(raw * raw, axis=1)
+            x = x * plt.load(g_ref.at[pl.ds(at, chunk)], mask=cols, other=0).astype(f32)[None, :]
+        ys = [y + jnp.sum(_to_f32(load(w_ref) if w is None else w, permute_int8) * x, axis=1)
+              for y, w, w_ref in zip(ys, ws, w_refs)]
+        if norm and squares_last:
+            squares = squares + jnp.sum(raw * raw, axis=1)
+    for ref in ahead_refs:  # once this program's weights are in: they go first
+        _prefetch(ref, grid, lanes, after=jnp.sum(ys[-1]), lines=lines)
+    if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
+        ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]
+    ys = [y if s_ref is None else y * s_ref[...] for y, s_ref in zip(ys, s_refs)]
+    if swiglu:
+        y = _swiglu(*ys, dtype)
+    else:
+        y = ys[0]
+    y = y.astype(o_ref.dtype)
+    if biased:
+        y = y + b_ref[...].astype(o_ref.dtype)
+    if residual:
+        y = r_ref[0, :].astype(o_ref.dtype) + y
+    if trigger:  # the signal's result used, so that the compiler keeps it
+        y = jnp.where(program >= 0, y, 0).astype(o_ref.dtype)
+    o_ref[0, :] = y
+
+
+def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
+    """`SplitHeads.combined` of one row as [KG', H] float32 (KG' = KG to a power of two, the
+    padding zero), rounded to the heads' dtype as XLA's combine; and the mask of real rows."""
+    SP, KGp = pow2(splits), pow2(KG)
+    real = jnp.arange(KGp) < KG
+    seen = (jnp.arange(SP) < splits)[:, None] & real[None, :]
+    m = plt.load(m_ref.at[pl.ds(0, SP), pl.ds(0, KGp)], mask=seen, other=NEG)
+    l = plt.load(l_ref.at[pl.ds(0, SP), pl.ds(0, KGp)], mask=seen, other=0)
+    acc = plt.load(acc_ref.at[pl.ds(0, SP), pl.ds(0, KGp), pl.ds(0, H)], mask=seen[:, :, None],
+                   other=0)
+    w = jnp.exp(m - jnp.max(m, axis=0, keepdims=True))  # padded splits: exp(-1e30 - m) = 0
+    total = jnp.where(real, jnp.sum(l * w, axis=0), 1.0)  # padded rows: 0 / 1, not 0 / 0
+    combined = jnp.sum(acc * w[:, :, None], axis=0) / total[:, None]
+    return combined.astype(dtype).astype(jnp.float32), real

@@ -1,0 +1,256 @@
+"""The step plan: for (params, batch rows, tokens per row) one host-side object that says which
+kernel, tiles and fusions each matrix, the attention, the add+norm pairs and the lm_head take.
+
+`transformer` reads it and asks the kernels nothing; the kernels say only what they support (hard
+limits). Everything here is static (shapes, dtypes, which leaves are int8), so a plan is made while
+a step is traced, or ahead of it, and is hashable: a jit static argument. The figures behind each
+rule are in docs/decisions/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxllm import runtime
+from jaxllm.kernels.common import can_prefetch, mode
+from jaxllm.kernels.decode_attention import supports as attention_supports
+from jaxllm.kernels.digits import supports as digits_supports
+from jaxllm.kernels.project import int8_tiled, supports as project_supports
+from jaxllm.kernels.rows_project import rows_tiles
+from jaxllm.kernels.tuning import KernelTuning, current
+from jaxllm.layers.quant import QuantizedWeight, stored
+from jaxllm.model.config import ModelConfig, rope_frequencies
+from jaxllm.model.params import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """How a matrix is multiplied: `family` "project" (one row), "rows" (8-32 rows) or None (XLA),
+    under `mode` ("gpu" or "interpret")."""
+    family: str | None = None
+    mode: str | None = None
+    tuning: KernelTuning = dataclasses.field(default_factory=current)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One decoder block's choices (static, hashable: layers of one shape share one)."""
+    cfg: ModelConfig
+    window: int | None  # the sliding window, or None
+    moe: bool
+    rope_scale: float
+    axis: str | None  # the tensor-parallel axis inside shard_map
+    projection: Projection  # qkv, o, and (with ffn_kernel) gate/up and down
+    add_norm: str | None  # mode of the residual add + norm pairs (None: XLA's add, norm by the consumer)
+    attention: str | None  # decode attention kernel's mode (None: XLA's form)
+    split_out: bool  # the attention may hand o its splits uncombined
+    route: str | None  # MoE routing kernel's mode
+    ffn_kernel: bool  # gate/up and down through `projection` (else XLA's mlp / moe)
+    ffn_norm_folded: bool  # the FFN's norm in gate/up's kernel; then o's kernel adds the residual
+    ffn_digits: bool  # the FFN's normed row as int8 digits for gate/up
+    down_digits: bool  # gate/up hands down its output as digits
+    next_folds: bool  # down adds the residual and the next matrix folds its norm in
+    next_digits: bool  # the next norm's row as digits (for the int8 lm_head)
+    prefetch: tuple[bool, bool, bool, bool] = (False,) * 4  # qkv asks L2 for o, o for gate/up, ...
+    gate_up_wide: bool | None = None  # gate/up programs twice as wide (None: the tuning's)
+    weights_first: bool = False  # the projections load weights before their input
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """A step's choices: its layers' plans, the lm_head's projection, and which layers' gate/up
+    write digits for down (their order in `digits.down_bounds`)."""
+    layers: tuple[LayerPlan, ...]
+    head: Projection
+    attention: str | None
+    down_layers: tuple[int, ...]
+    tuning: KernelTuning
+    axis: str | None = None
+
+
+def fused_paths_allowed(cfg: ModelConfig) -> bool:
+    """The one place where a model feature turns the fused kernels off. The kernels fold a plain
+    RMSNorm (x * w), SwiGLU and unscaled logits; a family with a (1 + w) norm, GeGLU, norms after
+    the attention or the MLP, or soft-capped logits (Gemma 2/3) is declared here, so that it takes
+    XLA's forms of `layers` until the kernels learn the feature."""
+    return (getattr(cfg, "norm_offset", 0.0) == 0.0 and getattr(cfg, "activation", "silu") == "silu"
+            and not getattr(cfg, "post_norms", False)
+            and getattr(cfg, "final_logit_softcap", None) is None
+            and getattr(cfg, "attn_logit_softcap", None) is None)
+
+
+# --- the rules, one a kernel family (figures: docs/decisions/)
+
+def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int,
+                          tuning: KernelTuning | None = None) -> str | None:
+    """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel:
+    a float16/bfloat16 model (float32 keeps XLA's exact form) within the kernel's limits."""
+    t = tuning or current()
+    m = mode(t.decode_attention, dtype)
+    if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu"):
+        return None
+    return m
+
+
+def decode_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
+    """Whether a decode step's projections take `project`'s kernel: one row (batch 1)."""
+    return mode((tuning or current()).decode_project, dtype) if rows == 1 else None
+
+
+def add_norm_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
+    """Whether residual add + norm pairs take `add_norm`'s kernel."""
+    return mode((tuning or current()).add_norm, dtype)
+
+
+def route_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
+    """Whether MoE routing takes `route`'s kernel."""
+    return mode((tuning or current()).route, dtype)
+
+
+def rows_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
+    """Whether a decode step of `rows` rows (rows_min to rows_max) takes `rows_project`'s kernel;
+    below rows_any_size rows only for large matrices (`rows_sized`)."""
+    t = tuning or current()
+    return mode(t.rows_project, dtype) if t.rows_min <= rows <= t.rows_max else None
+
+
+def rows_sized(rows: int, shapes, tuning: KernelTuning | None = None) -> bool:
+    """Whether matrices of these (outputs, channels) `shapes` take the kernel at `rows` rows: from
+    rows_any_size rows all do, below it those of at least rows_large_weights weights each
+    (docs/decisions/rows-project.md#8-31-rows-only-for-large-matrices)."""
+    t = tuning or current()
+    return rows >= t.rows_any_size or all(math.prod(s) >= t.rows_large_weights for s in shapes)
+
+
+def prefetched(w, tuning: KernelTuning | None = None) -> bool:
+    """Whether a kernel asks L2 for matrix w (a `QuantizedWeight`'s int8 bytes) ahead of its use:
+    on a GPU from Hopper on, at most prefetch_max_bytes
+    (docs/decisions/one-row-projection.md#l2-prefetch-of-the-next-matrix)."""
+    if w is None or not can_prefetch():
+        return False
+    w = stored(w)
+    return w.size * w.dtype.itemsize <= (tuning or current()).prefetch_max_bytes
+
+
+def weights_first(matrices, tuning: KernelTuning | None = None) -> bool:
+    """Whether a layer's projection kernels load their weights before their input: where every one
+    of its `matrices` is a float matrix that `prefetched` (docs/decisions/one-row-projection.md#weights-before-the-input)."""
+    t = tuning or current()
+    return t.weights_first and all(w is not None and not isinstance(w, QuantizedWeight)
+                                   and prefetched(w, t) for w in matrices)
+
+
+def project_folds_norm(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False,
+                       tuning: KernelTuning | None = None) -> bool:
+    """Whether the norm before w folds into `project`'s kernel (one row, under `mode`): where the
+    kernel takes w, unless w is a large int8 matrix (docs/decisions/int8.md#the-norm-apart)."""
+    t = tuning or current()
+    return (mode is not None and project_supports(w_NC, swiglu, biased, t)
+            and not (t.int8_norm_apart and int8_tiled(w_NC, t)))
+
+
+def project_digits(w_NC, mode: str | None, swiglu: bool = False, biased: bool = False,
+                   tuning: KernelTuning | None = None) -> bool:
+    """Whether the norm before w should come as a `DigitRow` for the int8 tensor-core kernel:
+    SwiGLU's large int8 gate/up (its norm apart), or an int8 matrix past kernel_max_int8_weights
+    without bias (the lm_head), where `digits.supports` it (docs/decisions/int8.md)."""
+    t = tuning or current()
+    if not (t.int8_digits and mode is not None and isinstance(w_NC, QuantizedWeight)) or biased:
+        return False
+    if swiglu:
+        if not project_supports(w_NC, swiglu, tuning=t) or project_folds_norm(w_NC, mode, swiglu, tuning=t):
+            return False
+    elif not (t.int8_head_digits and math.prod(w_NC.shape) > t.kernel_max_int8_weights):
+        return False
+    return digits_supports(w_NC, "gate_up" if swiglu else "head", t)
+
+
+def down_digits(w_NC, mode: str | None, tuning: KernelTuning | None = None) -> bool:
+    """Whether a down projection w [D, F] takes gate/up's output as digits: a large int8 matrix that
+    `project`'s kernel takes, in programs at least 3/4 of the multiprocessors
+    (docs/decisions/int8.md#int8-digits-down-from-gateups-output). The layer also needs its
+    gate/up from digits and no residual in down's product."""
+    t = tuning or current()
+    return (t.int8_digits and t.int8_down_digits and mode is not None
+            and int8_tiled(w_NC, t) and w_NC.ndim == 2
+            and project_supports(w_NC, tuning=t) and digits_supports(w_NC, "down", t)
+            and 4 * (w_NC.shape[0] // t.down_digit_tiles[0]) >= 3 * runtime.multiprocessors())
+
+
+def _rows_mode(params: Params, B: int, T: int, axis, fresh: bool, t: KernelTuning) -> str | None:
+    """Whether a step's blocks take the rows family: a decode step (not inside shard_map) of
+    rows_min to rows_max rows of a dense float model whose every matrix the kernel's tiles divide
+    and, below rows_any_size rows, is large (`rows_sized`)."""
+    if T != 1 or fresh or axis is not None or params.config.num_experts:
+        return None
+    m = rows_project_mode(params.dtype, B, t)
+
+    def divided(layer):  # (outputs, channels) of qkv, o, gate/up and down
+        qkv, o, gate_up, down = layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down
+        shapes = ((math.prod(qkv.shape[:-1]), qkv.shape[-1]), (o.shape[0], math.prod(o.shape[1:])),
+                  gate_up.shape[1:], down.shape)
+        return (not isinstance(qkv, QuantizedWeight) and rows_sized(B, shapes, t)
+                and all(rows_tiles(*shape, t) for shape in shapes))
+    return m if m and all(divided(layer) for layer in params.layers) else None
+
+
+def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuning | None = None,
+              axis: str | None = None, fresh: bool = False, *, cache_length: int | None = None,
+              kv_int8: bool = False) -> StepPlan:
+    """The plan of a step of `rows` rows of `tokens_per_row` new tokens each. `axis`: the
+    tensor-parallel axis (inside shard_map: no one-row or rows kernels, no add_norm); `fresh`: a
+    prefill into an empty cache; `cache_length` and `kv_int8`: the cache's, for the attention
+    kernel (None: XLA's attention)."""
+    t = tuning or current()
+    cfg, B, T = params.config, rows, tokens_per_row
+    inv_freq, rope_scale = rope_frequencies(cfg)
+    fusable = fused_paths_allowed(cfg)
+    proj = decode_project_mode(params.dtype, B, t) if T == 1 and axis is None and fusable else None
+    attention = None
+    if T == 1 and not fresh and cache_length is not None and fusable:
+        attention = decode_attention_mode(params.dtype, cfg.head_dim, 2 * len(inv_freq), kv_int8,
+                                          cache_length, t)
+    fuse = None if axis is not None or (T == 1 and proj is None) or not fusable else \
+        add_norm_mode(params.dtype, t)
+    rows_mode = _rows_mode(params, B, T, axis, fresh, t) if fusable else None
+    route = route_mode(params.dtype, t) if axis is None and fusable else None
+    head_w = params.embed if params.lm_head is None else params.lm_head
+    # What the residual stream feeds after each layer: the next layer's qkv, or the lm_head.
+    nexts = [(nxt.wqkv, nxt.bqkv is not None) for nxt in params.layers[1:]] + [(head_w, False)]
+    next_takes = [proj is not None and project_folds_norm(w, proj, biased=biased, tuning=t)
+                  for w, biased in nexts]
+    down_at = tuple(i for i, layer in enumerate(params.layers)
+                    if fuse and proj and not cfg.is_moe(i) and not next_takes[i]
+                    and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t)
+                    and down_digits(layer.w_down, proj, t))
+    layers = []
+    for i, layer in enumerate(params.layers):
+        common = dict(cfg=cfg, window=cfg.sliding_window if cfg.is_sliding(i) else None,
+                      moe=cfg.is_moe(i), rope_scale=rope_scale, axis=axis, attention=attention,
+                      route=route)
+        if rows_mode:  # every matrix through rows_project; o's output with the residual via add_norm
+            layers.append(LayerPlan(
+                **common, projection=Projection("rows", rows_mode, t),
+                add_norm=add_norm_mode(params.dtype, t), split_out=False, ffn_kernel=True,
+                ffn_norm_folded=False, ffn_digits=False, down_digits=False, next_folds=True,
+                next_digits=False))
+            continue
+        moe = cfg.is_moe(i)
+        next_w, next_bias = nexts[i]
+        ffn_kernel = bool(proj) and not moe and project_supports(layer.w_gate_up, True, tuning=t)
+        ahead = [bool(proj) and prefetched(w, t) for w in (layer.wo, None if moe else layer.w_gate_up,
+                                                            None if moe else layer.w_down, next_w)]
+        layers.append(LayerPlan(
+            **common, projection=Projection("project" if proj else None, proj, t), add_norm=fuse,
+            split_out=proj is not None, ffn_kernel=ffn_kernel,
+            ffn_norm_folded=ffn_kernel and project_folds_norm(layer.w_gate_up, proj, swiglu=True, tuning=t),
+            ffn_digits=ffn_kernel and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t),
+            down_digits=i in down_at, next_folds=ffn_kernel and next_takes[i],
+            # a one-token prefill (fresh) keeps a plain normed row, which it reorders with x
+            next_digits=proj is not None and not fresh and project_digits(next_w, proj, biased=next_bias, tuning=t),
+            prefetch=tuple(ahead),
+            gate_up_wide=None if moe or not proj else t.gate_up_wide and not prefetched(layer.w_gate_up, t),
+            weights_first=bool(proj) and weights_first((layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down), t)))
+    return StepPlan(layers=tuple(layers), head=Projection("project" if proj else None, proj, t),
+                    attention=attention, down_layers=down_at, tuning=t, axis=axis)
