@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine import memory
+from jaxllm.engine import memory, speculative as spec_mod
 from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
 from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import (INT32_MAX, SamplingConfig, SamplingFlags, SamplingParams,
@@ -61,6 +61,7 @@ ONE_ROW_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 class GenerateOutput(NamedTuple):
     tokens: jax.Array  # int32 [B, max_new_tokens]; the pad id after a row stops
     lengths: jax.Array  # int32 [B]: new tokens per row, the stop token included
+    stats: "speculative.SpecStats | None" = None  # with `speculative`: acceptance and tokens per step
 
 
 def bucket(n: int) -> int:
@@ -319,8 +320,17 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv
 def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> GenerateOutput:
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, speculative=None,
+             num_speculative: int | None = None, synthetic_acceptance: float | None = None) -> GenerateOutput:
     """Generate up to max_new_tokens per row; greedy at temperature 0. See DESIGN.md for the contract.
+
+    `speculative`: "ngram" (prompt lookup) or a draft model's Params (same vocabulary) turns on
+    speculative decoding (engine/speculative.py), `num_speculative` tokens proposed a round
+    (None: 7 for ngram, 3 for a draft, switched off while the batch's acceptance is low). Greedy
+    output is the same tokens; sampled output has the same law, but not the same tokens for a
+    seed as without speculation. The output's `stats` (a `SpecStats`) then says how many drafts
+    were accepted. `synthetic_acceptance` (benchmarks on random weights only: the output is
+    meaningless) accepts each draft with that probability.
 
     Each sampling setting and `seed` is a number (every row) or a list of one value a row: a row
     gets the tokens it gets alone with its settings and seed, whatever the other rows ask (so rows
@@ -331,6 +341,11 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                               frequency_penalty, seed)
     max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
+    if speculative is not None:
+        return _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative,
+                                     num_speculative, synthetic_acceptance)
+    if num_speculative is not None or synthetic_acceptance is not None:
+        raise ValueError("num_speculative and synthetic_acceptance need speculative ('ngram' or a draft model)")
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
         return (params, jnp.asarray(tokens), jnp.asarray(start),
@@ -357,6 +372,29 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     check_recompile(core, compiled, "generate", group=(params.config, params.dtype),
                     describe=lambda: shape_text(*tokens.shape, cache_length, steps, sampling))
     return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)
+
+
+_spec_cores = {options: jax.jit(spec_mod.spec_core, static_argnames=_STATIC + ("spec",),
+                               compiler_options=_options(*options) or None)
+               for options in _cores}
+
+
+def _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative,
+                          num_speculative, synthetic) -> GenerateOutput:
+    spec, aux = spec_mod.resolve(params, speculative, num_speculative, synthetic)
+    tokens, start, steps, _ = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
+    cache_length = tokens.shape[1] + steps + spec.k + 1  # a round writes k+1 slots past the last kept
+    if aux is not None and isinstance(aux, Params):
+        _plan(aux, ids, max_new_tokens, sampling, kv_dtype)  # the draft's context and memory
+    core = _spec_cores[_choice(tokens.shape[0], params)]
+    compiled = compile_count(core)
+    out, lengths, stats = core(params, aux, jnp.asarray(tokens), jnp.asarray(start), jnp.int32(max_new_tokens),
+                               _stop_array(stops), sampling.values(tokens.shape[0]), cache_length=cache_length,
+                               steps=steps, flags=sampling.static(), kv_int8=is_int8(kv_dtype), spec=spec)
+    check_recompile(core, compiled, "speculative generate", group=(params.config, params.dtype, spec.k),
+                    describe=lambda: shape_text(*tokens.shape, cache_length, steps, sampling))
+    return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths,
+                          stats=spec_mod.make_stats(spec.k, stats, lengths))
 
 
 @partial(jax.jit, static_argnames=("flags",))
