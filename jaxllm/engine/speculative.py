@@ -230,7 +230,8 @@ def probs(logits_BV, sampling: SamplingParams, flags: SamplingFlags):
 def race(keys_B, w_BV):
     """A draw from the unnormalized weights w_BV (>= 0, some > 0) a row: argmax w / Exp(1)."""
     e_BV = jax.vmap(lambda key: jax.random.exponential(key, w_BV.shape[-1:]))(keys_B)
-    return jnp.argmax(w_BV / e_BV, axis=-1).astype(jnp.int32)
+    # A draw of exactly 0 would make 0 / 0 a NaN, which argmax picks: zero weights never win
+    return jnp.argmax(jnp.where(w_BV > 0, w_BV / e_BV, -1.0), axis=-1).astype(jnp.int32)
 
 
 def round_keys(seed_B2, count_B):
