@@ -227,11 +227,11 @@ def _chi_square(law, samples):
 def law_setup(tiny, drafts):
     params = tiny("llama").params
     prompt = random_tokens(5, seed=11).tolist()
-    # The target's weights, each scaled by 1 + 0.3 noise: a draft whose top 4 overlap the
+    # The target's weights, each scaled by 1 + 0.2 noise: a draft whose top 4 overlap the
     # target's often but not always (an unrelated random model's never do).
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(3), len(leaves))
-    draft = jax.tree.unflatten(tree, [x * (1 + 0.3 * jax.random.normal(key, x.shape, x.dtype))
+    draft = jax.tree.unflatten(tree, [x * (1 + 0.2 * jax.random.normal(key, x.shape, x.dtype))
                                       if jnp.issubdtype(x.dtype, jnp.floating) else x
                                       for x, key in zip(leaves, keys)])
     return params, draft, prompt, _exact_law(params, prompt)
@@ -250,7 +250,7 @@ def test_sampled_law_is_the_targets(law_setup):
     tokens, stats = _sampled(params, draft, prompt, 6000)
     assert 0 < stats.histogram[K] and 0 < stats.histogram[0]  # bonus tokens and rejections drawn
     stat, bound = _chi_square(law, tokens)
-    assert stat < bound, (stat, bound)
+    assert stat < bound, (stat, bound, stats)
 
 
 def _accept_bug(p_BJV, q_BKV, d_BK, valid_BK, keys_B, bug):
@@ -282,7 +282,7 @@ def test_negative_controls_fail_the_law(law_setup, monkeypatch, control):
     monkeypatch.setattr(spec, name, bug)
     jax.clear_caches()  # the loop traces the replaced function
     try:
-        tokens, _ = _sampled(params, draft, prompt, 3000)
+        tokens, _ = _sampled(params, draft, prompt, 6000)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
