@@ -288,3 +288,18 @@ def test_negative_controls_fail_the_law(law_setup, monkeypatch, control):
         jax.clear_caches()
     stat, bound = _chi_square(law, tokens)
     assert stat > bound, (control, stat, bound)
+
+
+def test_stream_yields_what_generate_makes(tiny):
+    params = tiny("llama").params
+    prompt = _prompts()[1]
+    plain = jaxllm.generate(params, [prompt], max_new_tokens=24, eos_token_ids=[])
+    gen = jaxllm.stream(params, prompt, max_new_tokens=24, eos_token_ids=[], speculative="ngram", num_speculative=3)
+    got = []
+    try:
+        while True:
+            got.append(next(gen))
+    except StopIteration as end:
+        stats = end.value
+    assert got == np.asarray(plain.tokens[0]).tolist()
+    assert stats.tokens == 23 and stats.rounds <= 23

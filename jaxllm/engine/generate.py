@@ -374,7 +374,7 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)
 
 
-_spec_cores = {options: jax.jit(spec_mod.spec_core, static_argnames=_STATIC + ("spec",),
+_spec_cores = {options: jax.jit(spec_mod.spec_core, static_argnames=_STATIC + ("spec", "keep"),
                                compiler_options=_options(*options) or None)
                for options in _cores}
 
@@ -397,6 +397,33 @@ def _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype
                           stats=spec_mod.make_stats(spec.k, stats, lengths))
 
 
+def _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative, num_speculative):
+    """`stream` with speculation: the loop of `generate`, run one round a call, each round's
+    accepted tokens yielded; returns the SpecStats (the generator's return value)."""
+    spec, aux = spec_mod.resolve(params, speculative, num_speculative)
+    tokens, start, steps, _ = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype)
+    if isinstance(aux, Params):
+        _plan(aux, [list(ids)], max_new_tokens, sampling, kv_dtype)
+    cache_length = tokens.shape[1] + steps + spec.k + 1
+    core = _spec_cores[_choice(1, params)]
+    args = (params, aux, jnp.asarray(tokens), jnp.asarray(start), jnp.int32(max_new_tokens), _stop_array(stops),
+            jax.device_put(sampling.values(1)))
+    static = dict(cache_length=cache_length, steps=steps, flags=sampling.static(), kv_int8=is_int8(kv_dtype),
+                  spec=spec, keep=True)
+    carry = core(*args, None, jnp.int32(0), **static)[3]
+    made = 0
+    while True:
+        out_W, done, count = (np.asarray(x[0]) for x in jax.device_get((carry[2], carry[3], carry[4])))
+        for token in out_W[made:min(int(count), max_new_tokens)]:
+            made += 1
+            yield int(token)
+            if int(token) in stops:
+                return spec_mod.make_stats(spec.k, carry[7], [made])
+        if done or made >= max_new_tokens:
+            return spec_mod.make_stats(spec.k, carry[7], [made])
+        carry = core(*args, carry, carry[0] + 1, **static)[3]
+
+
 @partial(jax.jit, static_argnames=("flags",))
 def _choose_jit(logits_BV, history, sampling, index, flags):
     return _choose(logits_BV, history, sampling, index, flags)
@@ -405,8 +432,12 @@ def _choose_jit(logits_BV, history, sampling, index, flags):
 def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
            eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None,
-           presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[int]:
-    """Yield the new token ids of one prompt as they are produced, the stop token included."""
+           presence_penalty: float = 0.0, frequency_penalty: float = 0.0, speculative=None,
+           num_speculative: int | None = None) -> Iterator[int]:
+    """Yield the new token ids of one prompt as they are produced, the stop token included.
+
+    `speculative` and `num_speculative` as in `generate`: each round's accepted tokens come at
+    once, and the generator's return value (StopIteration.value) is then the `SpecStats`."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                               frequency_penalty, seed)
     max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
@@ -414,6 +445,11 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
         raise ValueError(f"ids must be one prompt's token ids, a list, got {type(ids).__name__}")
     if isinstance(ids, (np.ndarray, jax.Array)) and ids.ndim != 1:
         raise ValueError(f"ids must be one prompt's token ids, a list, got an array of shape {ids.shape}")
+    if speculative is not None:
+        return (yield from _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype,
+                                               speculative, num_speculative))
+    if num_speculative is not None:
+        raise ValueError("num_speculative needs speculative ('ngram' or a draft model)")
     run = jitted_step()
 
     def new_cache(start, cache_length):

@@ -283,9 +283,12 @@ def _target_choices(logits_BJV, history, d_BK, sampling, flags):
     return jnp.stack(out, axis=1)
 
 
-def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampling: SamplingParams, *,
-              cache_length: int, steps: int, flags: SamplingFlags, kv_int8: bool, spec: Spec):
-    """generate's loop with speculation: (tokens [B, steps], lengths [B], stats arrays)."""
+def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampling: SamplingParams,
+              carry=None, until=None, *, cache_length: int, steps: int, flags: SamplingFlags, kv_int8: bool,
+              spec: Spec, keep: bool = False):
+    """generate's loop with speculation: (tokens [B, steps], lengths [B], stats arrays). `stream`
+    runs it a round at a time: `keep` (static) returns the loop's carry as well, `carry` resumes
+    from one (no prefill), and the loop stops after round `until`."""
     from jaxllm.engine.generate import _choose, _history, _is_stop, _record
 
     cfg = params.config
@@ -294,14 +297,6 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
     W = steps + K + 1  # output slots: a round may write k+1 past the last needed
     pad = jnp.int32(cfg.pad_id)
     proposer = spec.proposer
-    cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
-    history = _history(tokens_BT, start_B, cfg.vocab_size, flags)
-    logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
-    token_B = _choose(logits_BV, history, sampling, 0, flags)
-    out_BW = jnp.full((B, W), pad, jnp.int32).at[:, 0].set(token_B)
-    done_B = _is_stop(token_B, stop_ids) | (max_new <= 1)
-    history = _record(history, token_B, jnp.ones((B,), bool))
-    pstate = proposer.init(aux, tokens_BT, start_B, cache_length, kv_int8)
     rotation = rotation_table(cfg, cache_length) if params.tp is None else None
     rows = jnp.arange(B)
     j_J = jnp.arange(K + 1, dtype=jnp.int32)
@@ -351,7 +346,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
         return cache, pstate, jnp.zeros((B,), jnp.int32), emit_BJ, jnp.zeros((B,), jnp.int32), 1
 
     def cond(carry):
-        return ~jnp.all(carry[3])
+        return ~jnp.all(carry[3]) & (True if until is None else carry[0] < until)
 
     def body(carry):
         r, cache, out_BW, done_B, count_B, history, pstate, stats = carry
@@ -403,14 +398,27 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
                      accepted=stats["accepted"] + jnp.sum(n_B * live * go.astype(jnp.int32)), hist=hist, ema=ema)
         return r + 1, cache, out_BW, done_B, count_B, history, pstate, stats
 
-    carry = (jnp.int32(0), cache, out_BW, done_B, jnp.ones((B,), jnp.int32), history, pstate, stats0)
-    _, _, out_BW, _, count_B, _, _, stats = jax.lax.while_loop(cond, body, carry)
+    if carry is None:  # the prefill and its token
+        cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
+        history = _history(tokens_BT, start_B, cfg.vocab_size, flags)
+        logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
+        token_B = _choose(logits_BV, history, sampling, 0, flags)
+        out_BW = jnp.full((B, W), pad, jnp.int32).at[:, 0].set(token_B)
+        done_B = _is_stop(token_B, stop_ids) | (max_new <= 1)
+        history = _record(history, token_B, jnp.ones((B,), bool))
+        pstate = proposer.init(aux, tokens_BT, start_B, cache_length, kv_int8)
+        carry = (jnp.int32(0), cache, out_BW, done_B, jnp.ones((B,), jnp.int32), history, pstate, stats0)
+        if until is not None:  # stream: the prefill's token first
+            return (None, None, None, carry) if keep else None
+    carry = jax.lax.while_loop(cond, body, carry)
+    _, _, out_BW, _, count_B, _, _, stats = carry
     out_BN = out_BW[:, :steps]
     n_N = jnp.arange(steps, dtype=jnp.int32)
     made_B = jnp.minimum(count_B, max_new)
     stop_BN = _is_stop(out_BN, stop_ids) & (n_N[None] < made_B[:, None])
     lengths_B = jnp.where(jnp.any(stop_BN, axis=1), jnp.argmax(stop_BN, axis=1) + 1, made_B)
-    return jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), stats
+    result = jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), stats
+    return result + (carry,) if keep else result
 
 
 def _synthetic(keys_B, K: int, rate: float):
