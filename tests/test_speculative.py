@@ -13,6 +13,7 @@ from jaxllm.engine import speculative as spec
 from jaxllm.engine.sampling import filter_logits
 from jaxllm.model.cache import init_cache, rollback
 from jaxllm.model.transformer import jitted_step
+from test_cli import run_cli, tiny_model  # noqa: F401 (a fixture)
 from tiny_models import VARIANTS, VOCAB, build, random_tokens
 
 
@@ -303,3 +304,15 @@ def test_stream_yields_what_generate_makes(tiny):
         stats = end.value
     assert got == np.asarray(plain.tokens[0]).tolist()
     assert stats.tokens == 23 and stats.rounds <= 23
+
+
+@pytest.mark.slow
+def test_cli_speculative_answer_equals_the_plain_one_and_reports(tiny_model):
+    common = ["generate", "hello world", "--model", str(tiny_model), "--max-new-tokens", "12", "--dtype", "float32"]
+    plain = run_cli(*common)
+    spec_run = run_cli(*common, "--speculate", "ngram", "--num-speculative", "4", "--verbose")
+    assert plain.returncode == 0 and spec_run.returncode == 0, spec_run.stderr
+    assert spec_run.stdout == plain.stdout
+    assert "tokens per target step" in spec_run.stderr and "histogram" in spec_run.stderr
+    bad = run_cli(*common, "--num-speculative", "3")
+    assert bad.returncode == 2 and "--num-speculative needs" in bad.stderr
