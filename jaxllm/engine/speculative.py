@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.sampling import SamplingFlags, SamplingParams, apply_presence_frequency_penalty, \
-    apply_repetition_penalty, argmax, filter_logits, row_keys
+    apply_repetition_penalty, argmax, filter_logits, row_keys, sample
 from jaxllm.model.cache import init_cache, rollback
 from jaxllm.model.params import Params
 from jaxllm.model.transformer import rotation_table, step
@@ -213,6 +213,30 @@ def record(history, token_B, live_B):
     return seen, counts
 
 
+def choose(logits_BV, history, sampling: SamplingParams, index, flags: SamplingFlags):
+    """Plain decoding's pick (generate's): penalties, then `sample` with the row's key for token
+    `index`, so a round without drafts draws what plain decoding draws."""
+    keys = None if flags.greedy else row_keys(sampling.seed, index)
+    return sample(penalize(logits_BV, history, sampling, flags), keys, sampling.temperature, sampling.top_k,
+                  sampling.top_p, sampling.min_p, greedy=flags.greedy, use_top_k=flags.top_k,
+                  use_top_p=flags.top_p, use_min_p=flags.min_p, argmax_rows=flags.argmax_rows)
+
+
+def history_of(tokens_BT, start_B, vocab: int, flags: SamplingFlags):
+    """What the penalties read (generate's): the prompt's ids seen, and counts of generated ids."""
+    B, T = tokens_BT.shape
+    seen = None
+    if flags.repetition_penalty:
+        real_BT = jnp.arange(T)[None, :] >= start_B[:, None]
+        seen = jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], tokens_BT].max(real_BT)
+    return seen, jnp.zeros((B, vocab), jnp.int32) if flags.penalties else None
+
+
+def is_stop(token, stop_ids):
+    """Whether each token is one of stop_ids [n] (padded with -1)."""
+    return jnp.any(token[..., None] == stop_ids, axis=-1)
+
+
 def probs(logits_BV, sampling: SamplingParams, flags: SamplingFlags):
     """The law `sample` draws from: softmax of the filtered, tempered logits; a row at
     temperature 0 one-hot at its argmax."""
@@ -289,8 +313,6 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
     """generate's loop with speculation: (tokens [B, steps], lengths [B], stats arrays). `stream`
     runs it a round at a time: `keep` (static) returns the loop's carry as well, `carry` resumes
     from one (no prefill), and the loop stops after round `until`."""
-    from jaxllm.engine.generate import _choose, _history, _is_stop, _record
-
     cfg = params.config
     B = tokens_BT.shape[0]
     K = spec.k
@@ -338,7 +360,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
     def plain(cache, pstate, ctx):
         pending_B = ctx.out_BW[rows, ctx.count_B - 1]
         logits_BV, cache = step(params, pending_B[:, None], cache, rotation=rotation)
-        x_B = _choose(logits_BV, ctx.history, sampling, ctx.count_B, flags)
+        x_B = choose(logits_BV, ctx.history, sampling, ctx.count_B, flags)
         if isinstance(proposer, Draft):  # the draft's cache takes the pending token too
             drot = rotation_table(aux.config, cache_length) if aux.tp is None else None
             _, pstate = step(aux, pending_B[:, None], pstate, rotation=drot)
@@ -384,8 +406,8 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
         out_BW = out_BW.at[rows[:, None], cols_BJ].set(emit_BJ, mode="drop")
         for j in range(K + 1):
             if flags.repetition_penalty or flags.penalties:
-                history = _record(history, emit_BJ[:, j], keep_BJ[:, j])
-        stop_B = jnp.any(_is_stop(emit_BJ, stop_ids) & keep_BJ, axis=1)
+                history = record(history, emit_BJ[:, j], keep_BJ[:, j])
+        stop_B = jnp.any(is_stop(emit_BJ, stop_ids) & keep_BJ, axis=1)
         count_B = count_B + kept_B
         done_B = done_B | stop_B | (count_B >= max_new)
         live = live_B.astype(jnp.int32)
@@ -400,12 +422,12 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
 
     if carry is None:  # the prefill and its token
         cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
-        history = _history(tokens_BT, start_B, cfg.vocab_size, flags)
+        history = history_of(tokens_BT, start_B, cfg.vocab_size, flags)
         logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
-        token_B = _choose(logits_BV, history, sampling, 0, flags)
+        token_B = choose(logits_BV, history, sampling, 0, flags)
         out_BW = jnp.full((B, W), pad, jnp.int32).at[:, 0].set(token_B)
-        done_B = _is_stop(token_B, stop_ids) | (max_new <= 1)
-        history = _record(history, token_B, jnp.ones((B,), bool))
+        done_B = is_stop(token_B, stop_ids) | (max_new <= 1)
+        history = record(history, token_B, jnp.ones((B,), bool))
         pstate = proposer.init(aux, tokens_BT, start_B, cache_length, kv_int8)
         carry = (jnp.int32(0), cache, out_BW, done_B, jnp.ones((B,), jnp.int32), history, pstate, stats0)
         if until is not None:  # stream: the prefill's token first
@@ -415,7 +437,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
     out_BN = out_BW[:, :steps]
     n_N = jnp.arange(steps, dtype=jnp.int32)
     made_B = jnp.minimum(count_B, max_new)
-    stop_BN = _is_stop(out_BN, stop_ids) & (n_N[None] < made_B[:, None])
+    stop_BN = is_stop(out_BN, stop_ids) & (n_N[None] < made_B[:, None])
     lengths_B = jnp.where(jnp.any(stop_BN, axis=1), jnp.argmax(stop_BN, axis=1) + 1, made_B)
     result = jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), stats
     return result + (carry,) if keep else result
