@@ -316,3 +316,21 @@ def test_cli_speculative_answer_equals_the_plain_one_and_reports(tiny_model):
     assert "tokens per target step" in spec_run.stderr and "histogram" in spec_run.stderr
     bad = run_cli(*common, "--num-speculative", "3")
     assert bad.returncode == 2 and "--num-speculative needs" in bad.stderr
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_plain_greedy():
+    """SmolLM2-135M, float32: an input-grounded prompt (its text repeated in the answer) with
+    prompt lookup, and a random 2-layer draft of its shape (few acceptances)."""
+    from jaxllm.model.params import init_params
+    params = jaxllm.load(dtype="float32")
+    tok = jaxllm.load_tokenizer()
+    passage = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n" + passage}]))
+    prompts = [ids, ids[:-9]]
+    plain = jaxllm.generate(params, prompts, max_new_tokens=40)
+    draft = init_params(dataclasses.replace(params.config, num_layers=2), jax.random.key(1), jnp.float32)
+    for proposer in ("ngram", draft):
+        out = jaxllm.generate(params, prompts, max_new_tokens=40, speculative=proposer)
+        _same(out, plain)
+    assert out.stats.drafted > 0
