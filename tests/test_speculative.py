@@ -254,6 +254,19 @@ def test_sampled_law_is_the_targets(law_setup):
     assert stat < bound, (stat, bound, stats)
 
 
+@pytest.mark.slow
+def test_sampled_law_with_prompt_lookup_is_the_targets(tiny):
+    """A one-hot q: accept d with probability p(d), else draw from p with d taken out. The
+    prompt repeats itself, so its last token has matches and most rounds verify."""
+    params = tiny("llama").params
+    prompt = random_tokens(4, seed=12).tolist() * 3
+    law = _exact_law(params, prompt)
+    tokens, stats = _sampled(params, "ngram", prompt, 6000)
+    assert stats.verify_rounds > 0 and stats.accepted > 0
+    stat, bound = _chi_square(law, tokens)
+    assert stat < bound, (stat, bound, stats)
+
+
 def _accept_bug(p_BJV, q_BKV, d_BK, valid_BK, keys_B, bug):
     B, k = d_BK.shape
     pd = jnp.take_along_axis(p_BJV[:, :k], d_BK[..., None], axis=-1)[..., 0]
