@@ -347,3 +347,16 @@ def test_default_model_greedy_equals_plain_greedy():
         out = jaxllm.generate(params, prompts, max_new_tokens=40, speculative=proposer)
         _same(out, plain)
     assert out.stats.drafted > 0
+
+
+@pytest.mark.slow
+def test_greedy_with_penalties_equals_plain(tiny, drafts):
+    """Each verify position is penalized by its own prefix (the drafts before it counted)."""
+    params, kw = tiny("llama").params, dict(max_new_tokens=24, eos_token_ids=[], repetition_penalty=1.8,
+                                            frequency_penalty=0.5)
+    plain = jaxllm.generate(params, _prompts(), **kw)
+    # Prompt lookup rarely matches here (the penalty keeps the answer off the prompt's tokens)
+    for proposer in ("ngram", drafts("llama"), params):
+        out = jaxllm.generate(params, _prompts(), speculative=proposer, num_speculative=3, **kw)
+        _same(out, plain)
+    assert out.stats.acceptance_rate == 1.0  # the target as its own draft, penalized alike: all accepted
