@@ -201,6 +201,18 @@ def parse_args(argv):
                         "machine's first process finds them: read from the disk as it loads")
     p.add_argument("--load-only", action="store_true",
                    help="with --model: print the load's JSON line and stop")
+    spec = p.add_argument_group("speculative decoding (each run also times plain generate, the baseline)")
+    spec.add_argument("--speculate", choices=("ngram",), help="prompt lookup proposes the drafts")
+    spec.add_argument("--draft-model", metavar="PATH", help="a draft checkpoint (same tokenizer)")
+    spec.add_argument("--draft-preset", metavar="NAME", help="a draft of this preset's shape, random weights")
+    spec.add_argument("--num-speculative", type=argtype(1, 32), default=None, metavar="K",
+                      help="drafts a round (default: adaptive, 7 for ngram, 3 for a draft)")
+    spec.add_argument("--synthetic-acceptance", type=float, default=None, metavar="A",
+                      help="accept each draft with probability A in [0, 1], whatever the models say "
+                           "(random weights accept nothing meaningful; the tokens are then meaningless)")
+    spec.add_argument("--prompt-file", metavar="FILE",
+                      help="with --model: every row's prompt is this text through the model's tokenizer "
+                           "(input-grounded prompts for --speculate ngram); --prompt-len is then ignored")
     p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--floor-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -252,6 +264,17 @@ def parse_args(argv):
             p.error(f"--plot {out}: no directory {out.absolute().parent}")
         if importlib.util.find_spec("matplotlib") is None:
             p.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    drafts = [x for x in (args.speculate, args.draft_model, args.draft_preset) if x]
+    if len(drafts) > 1:
+        p.error("give one of --speculate, --draft-model, --draft-preset")
+    if (args.num_speculative is not None or args.synthetic_acceptance is not None) and not drafts:
+        p.error("--num-speculative and --synthetic-acceptance need --speculate, --draft-model or --draft-preset")
+    if args.synthetic_acceptance is not None and not 0 <= args.synthetic_acceptance <= 1:
+        p.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
+    if args.draft_model is not None and not Path(args.draft_model).exists():
+        p.error(f"--draft-model: no model at {args.draft_model!r}")
+    if args.prompt_file is not None and (not args.model or not Path(args.prompt_file).is_file()):
+        p.error("--prompt-file takes a text file, with --model (its tokenizer)")
     # Refuse what the library cannot do yet rather than benchmark something else under its name.
     if args.kv_dtype == "bf16" and args.dtype != "bfloat16":
         p.error(f"--kv-dtype bf16 with --dtype {args.dtype} is not implemented yet in jaxllm "
@@ -578,12 +601,26 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     cfg, new = params.config, args.new_tokens
     rng = np.random.default_rng([args.seed, batch, prompt_len])
     ids = rng.integers(0, cfg.vocab_size, size=(batch, prompt_len), dtype=np.int32)
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text()
+        ids = np.array([jaxllm.load_tokenizer(args.model).encode(text)] * batch, np.int32)
+        prompt_len = ids.shape[1]
 
     kv_dtype = "int8" if args.kv_dtype == "int8" else None  # None: the cache follows the model dtype
+    speculative = dict(speculative=args.draft, num_speculative=args.num_speculative,
+                       synthetic_acceptance=args.synthetic_acceptance) if args.draft is not None else {}
 
-    def generate():
+    def generate(**spec):
         return jaxllm.generate(params, ids, max_new_tokens=new, temperature=0.0, eos_token_ids=[],
-                               kv_dtype=kv_dtype)
+                               kv_dtype=kv_dtype, **(spec or speculative))
+
+    spec_fields = {}
+    if speculative:  # the plain baseline from the same run, then the speculative calls below
+        _wait(generate(speculative=None))
+        plain_s, _ = _median_time(lambda: generate(speculative=None), args.repeat)
+        spec_fields = dict(speculate=args.speculate or args.draft_model or args.draft_preset,
+                           synthetic_acceptance=args.synthetic_acceptance, plain_generate_s=plain_s,
+                           plain_tokens_per_s=batch * new / plain_s)
 
     log(f"bench: {label['preset'] or label['model']} batch {batch}, prompt {prompt_len}, {new} new tokens")
     t0 = time.perf_counter()
@@ -596,6 +633,12 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     model_devices = _model_devices(params)
     with telemetry.sample(model_devices) as decode_clock:
         generate_s, generate_all = _median_time(generate, args.repeat)
+    if speculative:
+        stats = out.stats
+        spec_fields.update(spec=stats.as_dict(), speedup=spec_fields["plain_generate_s"] / generate_s)
+        log(f"bench: speculative: {stats.tokens_per_step:.2f} tokens per target step, acceptance "
+            f"{stats.acceptance_rate:.1%}, histogram {list(stats.histogram)}, "
+            f"{spec_fields['speedup']:.2f}x plain generate")
     tokens, start, _ = pad_prompts(params, ids)
     cache_len = tokens.shape[1] + bucket(new)
     # Memory now: the prefill below, a program of its own, holds more than generate's whole loop
@@ -675,7 +718,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         floor_ms=floor.get("floor_ms"), floor_sm_mhz=floor.get("floor_sm_mhz"),
         floor_tokens_per_s=batch / floor["floor_ms"] * 1e3 if floor else None,
         pct_of_floor=100 * floor["floor_ms"] / (decode_s * 1e3) if floor else None,
-        **memory, error=None)
+        **memory, **spec_fields, error=None)
 
     log(roofline.format_table(dec))
     log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "
@@ -848,6 +891,14 @@ def main(argv=None) -> int:
         print(json.dumps(_finite(line), allow_nan=False, default=str), flush=True)
         return 0
 
+    args.draft = args.speculate
+    if args.draft_model:
+        args.draft = _wait(jaxllm.load(args.draft_model, dtype=dtype, quant=args.quant, mesh=mesh))
+    elif args.draft_preset:
+        if args.draft_preset not in presets.PRESETS:
+            return _usage_error(f"--draft-preset: unknown preset {args.draft_preset!r}")
+        args.draft = _wait(presets.random_params(presets.PRESETS[args.draft_preset], args.seed + 1, dtype,
+                                                 quant=args.quant))
     # Each run is a new shape on purpose: jaxllm's warning about recompiling is noise here.
     warnings.filterwarnings("ignore", message="jaxllm: recompiling")
     results, failed = [], False

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import sys
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 import jaxllm
@@ -49,21 +50,61 @@ def _traced(tokens: Iterator[int], trace_dir: str | None, notes: list[str], warm
         notes.append(f"jaxllm: profiler trace of the decode steps from token {warmup} on written to {trace_dir}")
 
 
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """--speculate, --draft-model, --num-speculative, --verbose."""
+    g = parser.add_argument_group("speculative decoding (same answer when greedy, same law when sampling)")
+    g.add_argument("--speculate", choices=("ngram",), default=None,
+                   help="ngram: propose the tokens that followed the last few tokens' earlier occurrence "
+                        "in the prompt or the answer (fast on rewrites, summaries, extraction)")
+    g.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="a smaller checkpoint with the same tokenizer proposes the tokens")
+    g.add_argument("--num-speculative", type=int, default=None, metavar="K",
+                   help="tokens proposed a round (default: 7 for ngram, 3 for a draft model, "
+                        "speculation paused while few are accepted)")
+    g.add_argument("--verbose", action="store_true",
+                   help="after each answer, print the acceptance rate, its histogram and tokens per step")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    """`generate`/`stream` keywords of the speculative flags; loads the draft model if given."""
+    if args.speculate and args.draft_model:
+        raise UsageError("give --speculate ngram or --draft-model, not both")
+    if args.num_speculative is not None and not (args.speculate or args.draft_model):
+        raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
+    if args.num_speculative is not None and not 1 <= args.num_speculative <= 32:
+        raise UsageError(f"--num-speculative must be in [1, 32], got {args.num_speculative}")
+    if args.draft_model:
+        path = Path(args.draft_model)
+        if not path.exists():
+            raise UsageError(f"no draft model at {args.draft_model}")
+        draft = jaxllm.load(path, dtype=args.dtype, quant=args.quant)
+        return dict(speculative=draft, num_speculative=args.num_speculative)
+    if args.speculate:
+        return dict(speculative=args.speculate, num_speculative=args.num_speculative)
+    return {}
+
+
+def _keep_return(gen, box: list):
+    """Yield what `gen` yields; append its return value to `box`."""
+    box.append((yield from gen))
+
+
 def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: str | None = None,
-                stoppable: bool = False) -> str:
+                stoppable: bool = False, verbose: bool = False) -> str:
     """Generate from `ids`, writing each complete piece of text to `out` as it comes; returns the text.
 
     An answer cut by max_new_tokens says so on stderr. `stoppable`: Ctrl-C ends the answer (what
-    was shown is returned) instead of the command."""
+    was shown is returned) instead of the command. `verbose`: speculative decoding's acceptance
+    after the answer."""
     out = out or sys.stdout
     stops = stop_ids(params, tok)
     detok = tok.stream()
-    pieces, notes = [], []
+    pieces, notes, stats = [], [], []
     count, stopped, ended = 0, False, False
     tokens = jaxllm.stream(params, ids, eos_token_ids=stops, **kwargs)
     try:
         # `stream` ends after a stop token, which is not shown; running it out lets the trace close.
-        for token in _traced(tokens, trace_dir, notes):
+        for token in _traced(_keep_return(tokens, stats), trace_dir, notes):
             count += 1
             if token in stops:
                 ended = True
@@ -87,6 +128,12 @@ def stream_text(params, tok, ids: list[int], kwargs: dict, out=None, trace_dir: 
         print("jaxllm: answer stopped (Ctrl-C)", file=sys.stderr)
     elif not ended and count == kwargs["max_new_tokens"]:  # `stream` ran out, no stop token came
         print(f"jaxllm: stopped at --max-new-tokens {count}", file=sys.stderr)
+    if verbose and stats and stats[0] is not None:
+        st = stats[0]
+        print(f"jaxllm: speculative k={st.k}: {st.accepted}/{st.drafted} drafts accepted "
+              f"({st.acceptance_rate:.1%}), {st.tokens_per_step:.2f} tokens per target step, "
+              f"{st.verify_rounds} of {st.rounds} steps verified; accepted-count histogram "
+              f"{list(st.histogram)}", file=sys.stderr)
     pieces.append(tail)
     return "".join(pieces)
 
@@ -106,6 +153,7 @@ def add_generate(subparsers) -> None:
     add_system_arg(p)
     add_trace_arg(p)
     add_sampling_args(p)
+    add_speculative_args(p)
     p.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as raw text, without the chat template")
     p.set_defaults(run=run_generate)
@@ -113,6 +161,7 @@ def add_generate(subparsers) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     kwargs = sampling_kwargs(args)
+    kwargs.update(speculative_kwargs(args))  # flags checked before the model loads
     params, tok = load_model(args)
     if args.no_chat or tok.chat_template is None:
         if args.system is not None:
@@ -121,7 +170,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         ids = encode_chat(tok, messages + [{"role": "user", "content": args.prompt}])
-    stream_text(params, tok, ids, kwargs, trace_dir=args.trace_dir)
+    stream_text(params, tok, ids, kwargs, trace_dir=args.trace_dir, verbose=args.verbose)
     return 0
 
 
@@ -137,11 +186,13 @@ def add_chat(subparsers) -> None:
     add_system_arg(p)
     add_trace_arg(p)
     add_sampling_args(p)
+    add_speculative_args(p)
     p.set_defaults(run=run_chat)
 
 
 def run_chat(args: argparse.Namespace) -> int:
     kwargs = sampling_kwargs(args)
+    kwargs.update(speculative_kwargs(args))  # flags checked before the model loads
     params, tok = load_model(args)
     if tok.chat_template is None:
         raise UsageError("this model has no chat template; use `jaxllm generate --no-chat`")
@@ -175,7 +226,7 @@ def run_chat(args: argparse.Namespace) -> int:
         try:
             # Re-rendering the whole history each turn is simple and always what the template means.
             answer = stream_text(params, tok, encode_chat(tok, messages), kwargs, trace_dir=args.trace_dir,
-                                 stoppable=True)
+                                 stoppable=True, verbose=args.verbose)
         except ValueError as e:  # e.g. the history outgrew the context: keep the session alive
             print(f"jaxllm: {e} (/reset clears the history)", file=sys.stderr)
             continue

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import runtime
-from jaxllm.engine import memory
+from jaxllm.engine import memory, speculative as spec_mod
 from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
 from jaxllm.engine.memory import check_fit
 from jaxllm.checks import INT32_MAX, token_ids, whole
@@ -49,6 +49,7 @@ PROGRESS_AFTER_S = 2.0  # a prefill still running after this long shows its prog
 class GenerateOutput(NamedTuple):
     tokens: jax.Array  # int32 [B, max_new_tokens]; the pad id after a row stops
     lengths: jax.Array  # int32 [B]: new tokens per row, the stop token included
+    stats: "spec_mod.SpecStats | None" = None  # with `speculative`: acceptance and tokens per step
 
 
 def bucket(n: int) -> int:
@@ -337,8 +338,17 @@ def _plan(params: Params, ids, max_new_tokens: int, sampling: SamplingConfig, kv
 def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> GenerateOutput:
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, speculative=None,
+             num_speculative: int | None = None, synthetic_acceptance: float | None = None) -> GenerateOutput:
     """Generate up to max_new_tokens per row; greedy at temperature 0. See DESIGN.md for the contract.
+
+    `speculative`: "ngram" (prompt lookup) or a draft model's Params (same vocabulary) turns on
+    speculative decoding (engine/speculative.py), `num_speculative` tokens proposed a round
+    (None: 7 for ngram, 3 for a draft, switched off while the batch's acceptance is low). Greedy
+    output is the same tokens; sampled output has the same law, but not the same tokens for a
+    seed as without speculation. The output's `stats` (a `SpecStats`) then says how many drafts
+    were accepted. `synthetic_acceptance` (benchmarks on random weights only: the output is
+    meaningless) accepts each draft with that probability.
 
     Each sampling setting and `seed` is a number (every row) or a list of one value a row: a row
     gets the tokens it gets alone with its settings and seed, whatever the other rows ask (so rows
@@ -349,6 +359,11 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                               frequency_penalty, seed)
     max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
+    if speculative is not None:
+        return _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative,
+                                     num_speculative, synthetic_acceptance)
+    if num_speculative is not None or synthetic_acceptance is not None:
+        raise ValueError("num_speculative and synthetic_acceptance need speculative ('ngram' or a draft model)")
 
     def call(tokens, start, steps, cache_length):  # the loop's arguments for this plan
         return (params, jnp.asarray(tokens), jnp.asarray(start),
@@ -378,6 +393,56 @@ def generate(params: Params, ids, *, max_new_tokens: int = 64, temperature: floa
     return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths)
 
 
+_spec_cores = {options: jax.jit(spec_mod.spec_core, static_argnames=_STATIC[:4] + ("spec", "keep"),
+                               compiler_options=_options(*options) or None)
+               for options in _cores}
+
+
+def _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative,
+                          num_speculative, synthetic) -> GenerateOutput:
+    spec, aux = spec_mod.resolve(params, speculative, num_speculative, synthetic)
+    tokens, start, steps, _ = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
+    cache_length = tokens.shape[1] + steps + spec.k + 1  # a round writes k+1 slots past the last kept
+    if aux is not None and isinstance(aux, Params):
+        _plan(aux, ids, max_new_tokens, sampling, kv_dtype)  # the draft's context and memory
+    core = _spec_cores[_choice(tokens.shape[0], params)]
+    compiled = compile_count(core)
+    out, lengths, stats = core(params, aux, jnp.asarray(tokens), jnp.asarray(start), jnp.int32(max_new_tokens),
+                               _stop_array(stops), sampling.values(tokens.shape[0]), cache_length=cache_length,
+                               steps=steps, flags=sampling.static(), kv_int8=is_int8(kv_dtype), spec=spec)
+    check_recompile(core, compiled, "speculative generate", group=(params.config, params.dtype, spec.k),
+                    describe=lambda: shape_text(*tokens.shape, cache_length, steps, sampling))
+    return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=lengths,
+                          stats=spec_mod.make_stats(spec.k, stats, lengths))
+
+
+def _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative, num_speculative):
+    """`stream` with speculation: the loop of `generate`, run one round a call, each round's
+    accepted tokens yielded; returns the SpecStats (the generator's return value)."""
+    spec, aux = spec_mod.resolve(params, speculative, num_speculative)
+    tokens, start, steps, _ = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype)
+    if isinstance(aux, Params):
+        _plan(aux, [list(ids)], max_new_tokens, sampling, kv_dtype)
+    cache_length = tokens.shape[1] + steps + spec.k + 1
+    core = _spec_cores[_choice(1, params)]
+    args = (params, aux, jnp.asarray(tokens), jnp.asarray(start), jnp.int32(max_new_tokens), _stop_array(stops),
+            jax.device_put(sampling.values(1)))
+    static = dict(cache_length=cache_length, steps=steps, flags=sampling.static(), kv_int8=is_int8(kv_dtype),
+                  spec=spec, keep=True)
+    carry = core(*args, None, jnp.int32(0), **static)[3]
+    made = 0
+    while True:
+        out_W, done, count = (np.asarray(x[0]) for x in jax.device_get((carry[2], carry[3], carry[4])))
+        for token in out_W[made:min(int(count), max_new_tokens)]:
+            made += 1
+            yield int(token)
+            if int(token) in stops:
+                return spec_mod.make_stats(spec.k, carry[7], [made])
+        if done or made >= max_new_tokens:
+            return spec_mod.make_stats(spec.k, carry[7], [made])
+        carry = core(*args, carry, carry[0] + 1, **static)[3]
+
+
 @partial(jax.jit, static_argnames=("flags",))
 def _choose_jit(logits_BV, history, sampling, index, flags):
     return _choose(logits_BV, history, sampling, index, flags)
@@ -386,12 +451,21 @@ def _choose_jit(logits_BV, history, sampling, index, flags):
 def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
            eos_token_ids: Sequence[int] | None = None, seed: int = 0, kv_dtype=None,
-           presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[int]:
-    """Yield the new token ids of one prompt as they are produced, the stop token included."""
+           presence_penalty: float = 0.0, frequency_penalty: float = 0.0, speculative=None,
+           num_speculative: int | None = None) -> Iterator[int]:
+    """Yield the new token ids of one prompt as they are produced, the stop token included.
+
+    `speculative` and `num_speculative` as in `generate`: each round's accepted tokens come at
+    once, and the generator's return value (StopIteration.value) is then the `SpecStats`."""
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                               frequency_penalty, seed)
     max_new_tokens, sampling, stops = _request(require_params(params), max_new_tokens, sampling, eos_token_ids)
     ids = token_ids(ids, params.config.vocab_size, one=True)
+    if speculative is not None:
+        return (yield from _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype,
+                                               speculative, num_speculative))
+    if num_speculative is not None:
+        raise ValueError("num_speculative needs speculative ('ngram' or a draft model)")
     run = jitted_step()
 
     def new_cache(start, cache_length):
