@@ -44,7 +44,8 @@ from flax import struct
 
 from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request,
                                TokenLogprob)
-from jaxllm.engine.generate import MIN_BUCKET, _choose, _record, _seen_from_prompt, bucket
+from jaxllm.engine.generate import MIN_BUCKET, bucket
+from jaxllm.engine.sampling import choose, record, seen_from_prompt
 from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
 from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release
@@ -111,10 +112,10 @@ def _prefill_insert(params, rows: Rows, nxt: Next, tokens_bW, start_b, at_b, sam
     b, W = tokens_bW.shape
     fresh = init_cache(cfg, b, W, params.dtype, start_b, kv_dtype="int8" if kv_int8 else None)
     logits_bV, fresh = step(params, tokens_bW, fresh, fresh=True)
-    history = (_seen_from_prompt(tokens_bW, start_b, cfg.vocab_size), jnp.zeros((b, cfg.vocab_size), jnp.int32))
-    first_b = _choose(logits_bV, history, sampling_b, 0, EVERY)
+    history = (seen_from_prompt(tokens_bW, start_b, cfg.vocab_size), jnp.zeros((b, cfg.vocab_size), jnp.int32))
+    first_b = choose(logits_bV, history, sampling_b, 0, EVERY)
     logprobs = _logprobs(logits_bV, first_b)
-    seen_bV, counts_bV = _record(history, first_b, jnp.ones((b,), bool))
+    seen_bV, counts_bV = record(history, first_b, jnp.ones((b,), bool))
     cache = rows.cache
 
     def slots(big, small):  # the row's first W slots, every layer (and int8 scale)
@@ -136,9 +137,9 @@ def _chunk(params, stage: Rows, tokens_1C, start_1, *, first: bool):
     cache = stage.cache
     if first:
         cache = cache.replace(start=start_1, end=jnp.zeros_like(cache.end))
-        seen = _seen_from_prompt(tokens_1C, start_1, cfg.vocab_size)
+        seen = seen_from_prompt(tokens_1C, start_1, cfg.vocab_size)
     else:
-        seen = stage.seen | _seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size)
+        seen = stage.seen | seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size)
     _, cache = step(params, tokens_1C, cache, fresh=first)
     return stage.replace(cache=cache, seen=seen)
 
@@ -149,11 +150,11 @@ def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sam
     logprobs)."""
     cfg = params.config
     logits_1V, staged = step(params, tokens_1C, stage.cache)
-    history = (stage.seen | _seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size),
+    history = (stage.seen | seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size),
                jnp.zeros((1, cfg.vocab_size), jnp.int32))
-    first_1 = _choose(logits_1V, history, sampling_1, 0, EVERY)
+    first_1 = choose(logits_1V, history, sampling_1, 0, EVERY)
     logprobs = _logprobs(logits_1V, first_1)
-    seen_1V, counts_1V = _record(history, first_1, jnp.ones((1,), bool))
+    seen_1V, counts_1V = record(history, first_1, jnp.ones((1,), bool))
     at_1 = jnp.reshape(at, (1,))
     rows = Rows(insert(rows.cache, staged, at), _put_rows(rows.seen, at_1, seen_1V),
                 _put_rows(rows.counts, at_1, counts_1V))
@@ -168,9 +169,9 @@ def _decode(params, rows: Rows, nxt: Next, active_B, rotation, *, flags: Samplin
     cache = release(rows.cache, ~active_B)
     logits_BV, cache = step(params, nxt.tokens[:, None], cache, rotation=rotation)
     history = (rows.seen, rows.counts)
-    token_B = _choose(logits_BV, history, nxt.sampling, nxt.index, flags)
+    token_B = choose(logits_BV, history, nxt.sampling, nxt.index, flags)
     if not flags.greedy:  # the greedy program runs only while no running row reads a history
-        history = _record(history, token_B, active_B)
+        history = record(history, token_B, active_B)
     rows = Rows(cache, *history)
     return rows, Next(token_B, nxt.index + 1, nxt.sampling), token_B, \
         _logprobs(logits_BV, token_B) if logprobs else None

@@ -22,9 +22,8 @@ from jaxllm.engine import memory, speculative as spec_mod
 from jaxllm.engine.compile import check_recompile, compile_count, kernels_visible, shape_text
 from jaxllm.engine.memory import check_fit
 from jaxllm.checks import INT32_MAX, token_ids, whole
-from jaxllm.engine.sampling import (SamplingConfig, SamplingFlags, SamplingParams,
-                                    apply_presence_frequency_penalty, apply_repetition_penalty, row_keys,
-                                    sample)
+from jaxllm.engine.sampling import (SamplingConfig, SamplingFlags, SamplingParams, choose, penalty_history,
+                                    record)
 from jaxllm.engine.steps import check_kv_int8
 from jaxllm.env import env_flag
 from jaxllm.layers import dense as L
@@ -88,48 +87,8 @@ def _stop_array(stop_ids: Sequence[int]) -> jax.Array:
     return jnp.asarray(list(stop_ids) + [-1] * (n - len(stop_ids)), jnp.int32)
 
 
-def _seen_from_prompt(tokens_BT, start_B, vocab: int):
-    """[B, V] bool: which ids occur in each row's prompt (padding excluded)."""
-    B, T = tokens_BT.shape
-    real_BT = jnp.arange(T)[None, :] >= start_B[:, None]
-    seen = jnp.zeros((B, vocab), bool)
-    return seen.at[jnp.arange(B)[:, None], tokens_BT].max(real_BT)
 
 
-def _history(tokens_BT, start_B, vocab: int, flags: SamplingFlags):
-    """What the penalties read of each row's tokens, only where `flags` use it: (seen [B, V] bool,
-    the prompt's ids and then the generated ones, for the repetition penalty; counts [B, V] int32
-    of the generated ids, for presence and frequency), None for a part no row uses."""
-    B = tokens_BT.shape[0]
-    seen = _seen_from_prompt(tokens_BT, start_B, vocab) if flags.repetition_penalty else None
-    return seen, jnp.zeros((B, vocab), jnp.int32) if flags.penalties else None
-
-
-def _record(history, token_B, live_B):
-    """`history` with each live row's new token counted."""
-    seen, counts = history
-    rows = jnp.arange(token_B.shape[0])
-    if seen is not None:
-        seen = seen.at[rows, token_B].max(live_B)
-    if counts is not None:
-        counts = counts.at[rows, token_B].add(live_B.astype(jnp.int32))
-    return seen, counts
-
-
-def _choose(logits_BV, history, sampling: SamplingParams, index, flags: SamplingFlags):
-    """Penalties, then sampling, each row with its key folded by the token's index (same in
-    generate and stream)."""
-    seen_BV, counts_BV = history
-    if flags.repetition_penalty:
-        logits_BV = apply_repetition_penalty(logits_BV, seen_BV, sampling.repetition_penalty[:, None])
-    if flags.penalties:
-        logits_BV = apply_presence_frequency_penalty(logits_BV, counts_BV, sampling.presence_penalty[:, None],
-                                                     sampling.frequency_penalty[:, None])
-    with jax.named_scope("sampling"):
-        keys = None if flags.greedy else row_keys(sampling.seed, index)
-        return sample(logits_BV, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                      greedy=flags.greedy, use_top_k=flags.top_k, use_top_p=flags.top_p, use_min_p=flags.min_p,
-                      argmax_rows=flags.argmax_rows)
 
 
 def prefill_chunk(width: int, params: Params) -> int | None:
@@ -197,15 +156,15 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, max_new, stop_ids, sam
     B = tokens_BT.shape[0]
     pad = jnp.int32(cfg.pad_id)
     cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
-    history = _history(tokens_BT, start_B, cfg.vocab_size, flags)
+    history = penalty_history(tokens_BT, start_B, cfg.vocab_size, flags)
     if chunk is None:
         logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
     else:
         logits_BV, cache = _chunked_prefill(params, tokens_BT, cache, chunk, progress)
-    token_B = _choose(logits_BV, history, sampling, 0, flags)
+    token_B = choose(logits_BV, history, sampling, 0, flags)
     out_BN = jnp.full((B, steps), pad, jnp.int32).at[:, 0].set(token_B)
     done_B = _is_stop(token_B, stop_ids)
-    history = _record(history, token_B, jnp.ones((B,), bool))
+    history = record(history, token_B, jnp.ones((B,), bool))
 
     def cond(carry):
         i, _, _, _, done_B, _ = carry
@@ -221,9 +180,9 @@ def _generate_core_fn(params: Params, tokens_BT, start_B, max_new, stop_ids, sam
     def body(carry):
         i, token_B, cache, out_BN, done_B, history = carry
         logits_BV, cache = step(params, token_B[:, None], cache, rotation=rotation)
-        new_B = _choose(logits_BV, history, sampling, i, flags)
+        new_B = choose(logits_BV, history, sampling, i, flags)
         out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (jnp.int32(0), i))
-        history = _record(history, new_B, ~done_B)
+        history = record(history, new_B, ~done_B)
         return i + 1, new_B, cache, out_BN, done_B | _is_stop(new_B, stop_ids), history
 
     carry = (jnp.int32(1), token_B, cache, out_BN, done_B, history)
@@ -445,7 +404,7 @@ def _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, 
 
 @partial(jax.jit, static_argnames=("flags",))
 def _choose_jit(logits_BV, history, sampling, index, flags):
-    return _choose(logits_BV, history, sampling, index, flags)
+    return choose(logits_BV, history, sampling, index, flags)
 
 
 def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -492,7 +451,7 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
     flags, values = sampling.static(), jax.device_put(sampling.values())  # sent once, read every token
     cache = new_cache(jnp.asarray(start), cache_length)
     tokens_dev = jnp.asarray(tokens)
-    history = _history(tokens_dev, cache.start, params.config.vocab_size, flags)
+    history = penalty_history(tokens_dev, cache.start, params.config.vocab_size, flags)
     rotation = rotation_table(params.config, cache_length) if params.tp is None else None
     compiled = compile_count(run)
     chunk = prefill_chunk(tokens.shape[1], params)
@@ -517,5 +476,5 @@ def stream(params: Params, ids: Sequence[int], *, max_new_tokens: int = 256, tem
         if token in stops or i + 1 == max_new_tokens:
             return
         if flags.repetition_penalty or flags.penalties:
-            history = _record(history, token_B, jnp.ones((1,), bool))
+            history = record(history, token_B, jnp.ones((1,), bool))
         logits_BV, cache = run(params, token_B[:, None], cache, rotation=rotation)

@@ -332,3 +332,53 @@ def sample(logits_BV, key, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, *,
     if argmax_rows:
         token_B = jnp.where(jnp.broadcast_to(temperature, (B, 1))[:, 0] == 0, argmax(logits_BV), token_B)
     return token_B
+
+
+# What plain decoding applies before each pick, shared by generate, the batching engine and
+# speculative rounds (a round without drafts must draw exactly what plain decoding draws).
+
+def seen_from_prompt(tokens_BT, start_B, vocab: int):
+    """[B, V] bool: which ids occur in each row's prompt (padding excluded)."""
+    B, T = tokens_BT.shape
+    real_BT = jnp.arange(T)[None, :] >= start_B[:, None]
+    return jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], tokens_BT].max(real_BT)
+
+
+def penalty_history(tokens_BT, start_B, vocab: int, flags: SamplingFlags):
+    """What the penalties read of each row's tokens, only where `flags` use it: (seen [B, V] bool,
+    the prompt's ids and then the generated ones, for the repetition penalty; counts [B, V] int32
+    of the generated ids, for presence and frequency), None for a part no row uses."""
+    seen = seen_from_prompt(tokens_BT, start_B, vocab) if flags.repetition_penalty else None
+    return seen, jnp.zeros((tokens_BT.shape[0], vocab), jnp.int32) if flags.penalties else None
+
+
+def record(history, token_B, live_B):
+    """`history` with each live row's new token counted."""
+    seen, counts = history
+    rows = jnp.arange(token_B.shape[0])
+    if seen is not None:
+        seen = seen.at[rows, token_B].max(live_B)
+    if counts is not None:
+        counts = counts.at[rows, token_B].add(live_B.astype(jnp.int32))
+    return seen, counts
+
+
+def penalize(logits_BV, history, sampling: SamplingParams, flags: SamplingFlags):
+    """The repetition, presence and frequency penalties the flags turn on, each row its own."""
+    seen_BV, counts_BV = history
+    if flags.repetition_penalty:
+        logits_BV = apply_repetition_penalty(logits_BV, seen_BV, sampling.repetition_penalty[:, None])
+    if flags.penalties:
+        logits_BV = apply_presence_frequency_penalty(logits_BV, counts_BV, sampling.presence_penalty[:, None],
+                                                     sampling.frequency_penalty[:, None])
+    return logits_BV
+
+
+def choose(logits_BV, history, sampling: SamplingParams, index, flags: SamplingFlags):
+    """Penalties, then `sample`, each row with its key folded by its token `index` ([] or [B])."""
+    logits_BV = penalize(logits_BV, history, sampling, flags)
+    with jax.named_scope("sampling"):
+        keys = None if flags.greedy else row_keys(sampling.seed, index)
+        return sample(logits_BV, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                      greedy=flags.greedy, use_top_k=flags.top_k, use_top_p=flags.top_p, use_min_p=flags.min_p,
+                      argmax_rows=flags.argmax_rows)

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.sampling import SamplingFlags, SamplingParams, apply_presence_frequency_penalty, \
-    apply_repetition_penalty, argmax, filter_logits, row_keys, sample
+from jaxllm.engine.sampling import SamplingFlags, SamplingParams, argmax, choose, filter_logits, penalize, \
+    penalty_history, record, row_keys
 from jaxllm.model.cache import init_cache, rollback
 from jaxllm.model.params import Params
 from jaxllm.model.transformer import rotation_table, step
@@ -192,44 +192,8 @@ class Draft(Proposer):
 
 # --- the pieces of a round (module functions: the negative-control tests replace them) ---------
 
-def penalize(logits_BV, history, sampling: SamplingParams, flags: SamplingFlags):
-    """The penalties plain decoding applies before sampling (see generate._choose)."""
-    seen_BV, counts_BV = history
-    if flags.repetition_penalty:
-        logits_BV = apply_repetition_penalty(logits_BV, seen_BV, sampling.repetition_penalty[:, None])
-    if flags.penalties:
-        logits_BV = apply_presence_frequency_penalty(logits_BV, counts_BV, sampling.presence_penalty[:, None],
-                                                     sampling.frequency_penalty[:, None])
-    return logits_BV
 
 
-def record(history, token_B, live_B):
-    seen, counts = history
-    rows = jnp.arange(token_B.shape[0])
-    if seen is not None:
-        seen = seen.at[rows, token_B].max(live_B)
-    if counts is not None:
-        counts = counts.at[rows, token_B].add(live_B.astype(jnp.int32))
-    return seen, counts
-
-
-def choose(logits_BV, history, sampling: SamplingParams, index, flags: SamplingFlags):
-    """Plain decoding's pick (generate's): penalties, then `sample` with the row's key for token
-    `index`, so a round without drafts draws what plain decoding draws."""
-    keys = None if flags.greedy else row_keys(sampling.seed, index)
-    return sample(penalize(logits_BV, history, sampling, flags), keys, sampling.temperature, sampling.top_k,
-                  sampling.top_p, sampling.min_p, greedy=flags.greedy, use_top_k=flags.top_k,
-                  use_top_p=flags.top_p, use_min_p=flags.min_p, argmax_rows=flags.argmax_rows)
-
-
-def history_of(tokens_BT, start_B, vocab: int, flags: SamplingFlags):
-    """What the penalties read (generate's): the prompt's ids seen, and counts of generated ids."""
-    B, T = tokens_BT.shape
-    seen = None
-    if flags.repetition_penalty:
-        real_BT = jnp.arange(T)[None, :] >= start_B[:, None]
-        seen = jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], tokens_BT].max(real_BT)
-    return seen, jnp.zeros((B, vocab), jnp.int32) if flags.penalties else None
 
 
 def is_stop(token, stop_ids):
@@ -422,7 +386,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
 
     if carry is None:  # the prefill and its token
         cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
-        history = history_of(tokens_BT, start_B, cfg.vocab_size, flags)
+        history = penalty_history(tokens_BT, start_B, cfg.vocab_size, flags)
         logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
         token_B = choose(logits_BV, history, sampling, 0, flags)
         out_BW = jnp.full((B, W), pad, jnp.int32).at[:, 0].set(token_B)
