@@ -278,6 +278,9 @@ def test_shutdown_aborts_what_is_left(params):
     assert all(c.finished.is_set() for c in cs)
     assert {c.events[-1].finish_reason for c in cs} <= {"abort", "length"}
     assert not e.ready
+    # Its KV cache is given back while the engine object lives on (a server's app holds it)
+    cache_shape = (2, params.config.num_kv_heads)
+    assert not [a for a in jax.live_arrays() if a.shape[:2] == cache_shape and a.ndim == 4]
 
 
 def test_a_failing_engine_thread_ends_every_request_with_an_error(params):

@@ -350,6 +350,10 @@ class BatchingEngine:
             self._abort_all = True
             self._cond.notify()
         self._thread.join()
+        # The cache is most of the device memory a caller may want back (the server's app, a
+        # bench's next mode) while this object itself stays referenced.
+        self._rows = self._next = self._stage = None
+        self._pending.clear()
 
     def stats(self) -> dict:
         with self._cond:
