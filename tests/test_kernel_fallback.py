@@ -1,0 +1,114 @@
+"""A kernel family whose backend is missing never breaks jaxllm: with the Pallas Triton backend
+unavailable (deprecated in JAX 0.11, to be removed), `import jaxllm` works, the step plan takes
+XLA's forms, `generate` gives the tokens it gives with the kernels, and each family says so once."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import runtime
+from jaxllm.kernels import common
+from jaxllm.tools.presets import PRESETS, random_params
+
+SWITCHES = ("JAXLLM_DECODE_ATTENTION", "JAXLLM_DECODE_PROJECT", "JAXLLM_ADD_NORM",
+            "JAXLLM_ROWS_PROJECT", "JAXLLM_ROUTE")
+PROMPT = [[3, 17, 9, 41, 5, 77, 12]]
+NEW = 12
+
+# Run in a fresh interpreter whose imports of the Triton backend (its public module and JAX's
+# internals behind it) fail, as after its removal; every kernel switch asks for the kernels.
+_HIDDEN_RUN = """
+import importlib.abc, json, sys, warnings
+HIDDEN = ("jax.experimental.pallas.triton", "jax._src.pallas.triton", "jax._src.lib.triton")
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if any(name == h or name.startswith(h + ".") for h in HIDDEN):
+            raise ImportError(f"{name} is hidden by the test")
+        return None
+
+sys.meta_path.insert(0, Hide())
+warnings.simplefilter("always")  # every warning jaxllm raises is seen: once must be jaxllm's doing
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import jax.numpy as jnp
+    import jaxllm, jaxllm.cli
+    from jaxllm.kernels import common
+    from jaxllm.tools.presets import PRESETS, random_params
+    params = random_params(PRESETS["tiny"], 0, jnp.float32)
+    runs = [jaxllm.generate(params, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).tokens.tolist()
+            for _ in range(2)]
+print(json.dumps(dict(missing=common.TRITON_MISSING, runs=runs,
+                      hidden=sorted(m for m in sys.modules if any(m.startswith(h) for h in HIDDEN)),
+                      warnings=[str(w.message) for w in caught
+                                if issubclass(w.category, common.KernelFallbackWarning)])))
+"""
+
+
+@pytest.mark.slow
+def test_generate_without_the_triton_backend_takes_xla_and_says_so_once():
+    code = f"PROMPT, NEW = {PROMPT!r}, {NEW}\n" + _HIDDEN_RUN
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **dict.fromkeys(SWITCHES, "interpret")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["missing"] and "hidden by the test" in got["missing"]
+    assert got["hidden"] == []  # nothing of the backend loaded by another route
+
+    # The normal run (this process: the backend present, XLA's forms on the CPU for float32).
+    params = random_params(PRESETS["tiny"], 0, jnp.float32)
+    expected = jaxllm.generate(params, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).tokens.tolist()
+    assert got["runs"] == [expected, expected]
+
+    # One line a family the plan would have taken at one row (rows_project is for 8-32 rows),
+    # naming the family and the reason, once in a process of two generate calls.
+    families = ["add_norm", "decode_attention", "project", "route"]
+    assert sorted(got["warnings"]) == sorted(
+        f"jaxllm: the {f} kernel takes XLA's form instead: the Pallas Triton backend is unavailable "
+        f"({got['missing']})" for f in families)
+    assert all("\n" not in w for w in got["warnings"])
+
+
+@pytest.fixture
+def backend_missing(monkeypatch):
+    """This process's kernels as if the Triton backend had failed to import, no family warned yet."""
+    monkeypatch.setattr(common, "TRITON_MISSING", "ImportError: gone")
+    monkeypatch.setattr(common, "_warned", set())
+
+
+def test_mode_without_backend_is_xla_with_one_warning_a_family(backend_missing):
+    with pytest.warns(common.KernelFallbackWarning, match="decode_attention kernel .* unavailable .*gone"):
+        assert common.mode("interpret", jnp.float32, "decode_attention") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning for the same family would raise here
+        assert common.mode("interpret", jnp.bfloat16, "decode_attention") is None
+    with pytest.warns(common.KernelFallbackWarning, match="the route kernel"):
+        assert common.mode("interpret", jnp.float32, "route") is None
+
+
+def test_mode_without_backend_is_silent_where_no_kernel_would_run(backend_missing, monkeypatch):
+    """"xla", and "auto" off a GPU or for float32, never take a kernel: a missing backend changes
+    nothing there."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert common.mode("xla", jnp.bfloat16, "project") is None
+        monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+        assert common.mode("auto", jnp.float32, "project") is None
+        monkeypatch.setattr(runtime, "gpu_generation", lambda: 0)
+        assert common.mode("auto", jnp.bfloat16, "project") is None
+    assert common._warned == set()
+
+
+def test_mode_with_backend_is_unchanged(monkeypatch):
+    assert common.TRITON_MISSING is None  # this environment has the backend
+    assert common.mode("interpret", jnp.float32, "project") == "interpret"
+    assert common.mode("xla", jnp.bfloat16, "project") is None
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    assert common.mode("auto", jnp.bfloat16, "project") == "gpu"
