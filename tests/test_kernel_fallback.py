@@ -2,11 +2,13 @@
 unavailable (deprecated in JAX 0.11, to be removed), `import jaxllm` works, the step plan takes
 XLA's forms, `generate` gives the tokens it gives with the kernels, and each family says so once."""
 
+import ast
 import json
 import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,46 @@ def test_mode_with_backend_is_unchanged(monkeypatch):
     assert common.mode("xla", jnp.bfloat16, "project") is None
     monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
     assert common.mode("auto", jnp.bfloat16, "project") == "gpu"
+
+
+PACKAGE = Path(jaxllm.__file__).resolve().parent
+
+# Every use of JAX's internals (`jax._src`) in the package, (file, module) -> why. Issue 62 wants
+# none; these build the L2 prefetch primitive with its own Triton lowering, which no public API
+# offers, and replacing them needs a GPU to check the kernels. Pinned so that no new one creeps in;
+# shrink the list as they go, never grow it without a reason the public API cannot meet.
+JAX_INTERNALS = {
+    ("kernels/common.py", "jax._src.core"): "Primitive and ShapedArray of the prefetch primitive",
+    ("kernels/common.py", "jax._src.interpreters.partial_eval"): "a DCE rule that keeps the prefetch, whose effect is its point",
+    ("kernels/common.py", "jax._src.lib.mlir.ir"): "MLIR types of the prefetch's lowering",
+    ("kernels/common.py", "jax._src.lib.triton.dialect"): "the Triton dialect's inline asm, the prefetch's instruction",
+    ("kernels/common.py", "jax._src.pallas.triton.lowering"): "register_lowering and the pointer helpers of the Triton lowering",
+}
+
+
+def _internal_uses(path: Path) -> set[str]:
+    """What of jax._src `path` imports (`from m import x` as m.x, inside functions too) or
+    reaches as an attribute jax._src.x."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names]  # a module or a name in one
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == "jax._src":
+            names = [ast.unparse(node)]
+        else:
+            continue
+        found |= {n for n in names if n == "jax._src" or n.startswith("jax._src.")}
+    return found
+
+
+def test_jax_internals_are_the_pinned_ones():
+    """The package's uses of jax._src are exactly JAX_INTERNALS. Issue 62 wants none; the custom
+    prefetch lowering cannot be replaced without a GPU to verify its replacement, so this pins
+    the current set: a new use fails here, and so does one removed but still listed."""
+    used = {(str(p.relative_to(PACKAGE)), m) for p in sorted(PACKAGE.rglob("*.py")) for m in _internal_uses(p)}
+    assert used, "the walk found none: JAX_INTERNALS is stale or the walk is broken"
+    assert used == set(JAX_INTERNALS), (
+        f"new uses of jax._src: {sorted(used - set(JAX_INTERNALS))}; "
+        f"gone (remove from JAX_INTERNALS): {sorted(set(JAX_INTERNALS) - used)}")
