@@ -17,6 +17,7 @@ import pytest
 import jaxllm
 from jaxllm import runtime
 from jaxllm.kernels import common
+from jaxllm.layers import moe
 from jaxllm.tools.presets import PRESETS, random_params
 
 SWITCHES = ("JAXLLM_DECODE_ATTENTION", "JAXLLM_DECODE_PROJECT", "JAXLLM_ADD_NORM",
@@ -42,6 +43,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import jax.numpy as jnp
     import jaxllm, jaxllm.cli
+    from jaxllm import runtime
     from jaxllm.kernels import common
     from jaxllm.tools.presets import PRESETS, random_params
     params = random_params(PRESETS["tiny"], 0, jnp.float32)
@@ -50,7 +52,7 @@ with warnings.catch_warnings(record=True) as caught:
 print(json.dumps(dict(missing=common.TRITON_MISSING, runs=runs,
                       hidden=sorted(m for m in sys.modules if any(m.startswith(h) for h in HIDDEN)),
                       warnings=[str(w.message) for w in caught
-                                if issubclass(w.category, common.KernelFallbackWarning)])))
+                                if issubclass(w.category, runtime.KernelFallbackWarning)])))
 """
 
 
@@ -82,16 +84,16 @@ def test_generate_without_the_triton_backend_takes_xla_and_says_so_once():
 def backend_missing(monkeypatch):
     """This process's kernels as if the Triton backend had failed to import, no family warned yet."""
     monkeypatch.setattr(common, "TRITON_MISSING", "ImportError: gone")
-    monkeypatch.setattr(common, "_warned", set())
+    monkeypatch.setattr(runtime, "_fallen_back", set())
 
 
 def test_mode_without_backend_is_xla_with_one_warning_a_family(backend_missing):
-    with pytest.warns(common.KernelFallbackWarning, match="decode_attention kernel .* unavailable .*gone"):
+    with pytest.warns(runtime.KernelFallbackWarning, match="decode_attention kernel .* unavailable .*gone"):
         assert common.mode("interpret", jnp.float32, "decode_attention") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second warning for the same family would raise here
         assert common.mode("interpret", jnp.bfloat16, "decode_attention") is None
-    with pytest.warns(common.KernelFallbackWarning, match="the route kernel"):
+    with pytest.warns(runtime.KernelFallbackWarning, match="the route kernel"):
         assert common.mode("interpret", jnp.float32, "route") is None
 
 
@@ -105,7 +107,7 @@ def test_mode_without_backend_is_silent_where_no_kernel_would_run(backend_missin
         assert common.mode("auto", jnp.float32, "project") is None
         monkeypatch.setattr(runtime, "gpu_generation", lambda: 0)
         assert common.mode("auto", jnp.bfloat16, "project") is None
-    assert common._warned == set()
+    assert runtime._fallen_back == set()
 
 
 def test_mode_with_backend_is_unchanged(monkeypatch):
@@ -114,6 +116,28 @@ def test_mode_with_backend_is_unchanged(monkeypatch):
     assert common.mode("xla", jnp.bfloat16, "project") is None
     monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
     assert common.mode("auto", jnp.bfloat16, "project") == "gpu"
+
+
+def test_grouped_gemm_without_its_module_is_xla_with_one_warning(monkeypatch):
+    """The MoE grouped GEMM (Pallas on Mosaic GPU, Hopper only) whose module fails to import:
+    the experts take XLA's ragged_dot, after one warning."""
+    monkeypatch.setattr(runtime, "_fallen_back", set())
+    monkeypatch.setattr(moe, "gpu_generation", lambda: 9)
+    x_RK, w_ENK = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((4, 128, 128), jnp.bfloat16)
+    moe._mgpu_ragged_dot.cache_clear()
+    try:
+        assert moe._mgpu_ok(x_RK, w_ENK)  # present: taken (a CPU imports the module too)
+        moe._mgpu_ragged_dot.cache_clear()
+        # gone from sys.modules and from its package (`from package import module` looks there first)
+        monkeypatch.setitem(sys.modules, "jax.experimental.pallas.ops.gpu.ragged_dot_mgpu", None)
+        monkeypatch.delattr(sys.modules["jax.experimental.pallas.ops.gpu"], "ragged_dot_mgpu")
+        with pytest.warns(runtime.KernelFallbackWarning, match="grouped_gemm kernel .* unavailable"):
+            assert not moe._mgpu_ok(x_RK, w_ENK)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not moe._mgpu_ok(x_RK, w_ENK)
+    finally:
+        moe._mgpu_ragged_dot.cache_clear()
 
 
 PACKAGE = Path(jaxllm.__file__).resolve().parent

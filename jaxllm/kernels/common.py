@@ -1,9 +1,6 @@
 """What the kernel families share: their mode under a switch, Hopper's early-launch signal (PDL),
 the int8 -> float32 convert and the L2 prefetch, both as inline PTX, and small tile helpers."""
 
-import threading
-import warnings
-
 import jax
 import jax.numpy as jnp
 
@@ -24,14 +21,6 @@ except Exception as e:  # ImportError, or any error of a backend half removed
 NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 
-class KernelFallbackWarning(UserWarning):
-    """A kernel family the plan would take is unavailable here; its steps take XLA's form."""
-
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
 def mode(switch: str, dtype, family: str) -> str | None:
     """Kernel `family`'s mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu"
     for a float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's
@@ -43,18 +32,9 @@ def mode(switch: str, dtype, family: str) -> str | None:
                                   or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)):
         return None
     if TRITON_MISSING is not None:
-        _fall_back(family, f"the Pallas Triton backend is unavailable ({TRITON_MISSING})")
+        runtime.fall_back(family, f"the Pallas Triton backend is unavailable ({TRITON_MISSING})")
         return None
     return "interpret" if switch == "interpret" else "gpu"
-
-
-def _fall_back(family: str, reason: str) -> None:
-    with _warned_lock:
-        if family in _warned:
-            return
-        _warned.add(family)
-    warnings.warn(f"jaxllm: the {family} kernel takes XLA's form instead: {reason}",
-                  KernelFallbackWarning, stacklevel=3)
 
 
 def pow2(n: int) -> int:
