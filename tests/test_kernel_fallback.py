@@ -1,6 +1,6 @@
 """A kernel family whose backend is missing never breaks jaxllm: with the Pallas Triton backend
 unavailable (deprecated in JAX 0.11, to be removed), `import jaxllm` works, the step plan takes
-XLA's forms, `generate` gives the tokens it gives with the kernels, and each family says so once."""
+XLA's forms, `generate` gives the normal run's tokens, and each family says so once."""
 
 import ast
 import json
@@ -11,7 +11,6 @@ import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxllm
