@@ -1,7 +1,9 @@
-"""Device facts and XLA compiler options: what the running device is, and the options the model's
-programs compile with. Below every other module but env (imports: jax and env only)."""
+"""Device facts and XLA compiler options: what the running device is, the options the model's
+programs compile with, and the warning where a kernel cannot run here (`fall_back`). Below every other module but env (imports: jax and env only)."""
 
 import os
+import threading
+import warnings
 
 import jax
 
@@ -20,6 +22,25 @@ def gpu_generation() -> int:
 def multiprocessors() -> int:
     """The default device's multiprocessor count, or MULTIPROCESSORS where it does not say."""
     return getattr(jax.devices()[0], "core_count", None) or MULTIPROCESSORS
+
+
+class KernelFallbackWarning(UserWarning):
+    """A kernel family a step would take cannot run here (its backend is missing or fails to
+    import); its steps take XLA's form instead."""
+
+
+_fallen_back: set[str] = set()
+_fallen_back_lock = threading.Lock()
+
+
+def fall_back(family: str, reason: str) -> None:
+    """Say once a process, in one line, that kernel `family` takes XLA's form, and why."""
+    with _fallen_back_lock:
+        if family in _fallen_back:
+            return
+        _fallen_back.add(family)
+    warnings.warn(f"jaxllm: the {family} kernel takes XLA's form instead: {reason}",
+                  KernelFallbackWarning, stacklevel=3)
 
 
 def _unless_flagged(options: dict) -> dict:

@@ -6,11 +6,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from jaxllm import runtime
-from jaxllm.kernels.common import launch_dependents, pdl_trigger, pow2
+from jaxllm.kernels.common import pl, plt, launch_dependents, pdl_trigger, pow2
 from jaxllm.kernels.digits import DIGIT_ROWS, DigitRow, store_digits
 from jaxllm.kernels.tuning import KernelTuning, current
 from jaxllm.layers import dense as L

@@ -3,24 +3,38 @@ the int8 -> float32 convert and the L2 prefetch, both as inline PTX, and small t
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from jaxllm import runtime
 from jaxllm.kernels.tuning import KernelTuning
 
+# Every family is written for Pallas' Triton backend, which JAX 0.11 deprecated: imported here
+# only, so that a JAX without it (or one where it fails to import) still imports jaxllm, and the
+# step plan takes XLA's forms instead (`mode`).
+try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+    TRITON_MISSING: str | None = None  # why the backend is unavailable, or None where it is not
+except Exception as e:  # ImportError, or any error of a backend half removed
+    pl = plt = None
+    TRITON_MISSING = f"{type(e).__name__}: {e}".splitlines()[0]
+
 NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 
-def mode(switch: str, dtype) -> str | None:
-    """A kernel's mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu" for a
-    float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's form;
-    float32 models keep XLA's exact arithmetic)."""
-    if switch in ("xla", "interpret"):
-        return None if switch == "xla" else "interpret"
-    if runtime.gpu_generation() < 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+def mode(switch: str, dtype, family: str) -> str | None:
+    """Kernel `family`'s mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu"
+    for a float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's
+    form; float32 models keep XLA's exact arithmetic). Where the family would run but its backend
+    is unavailable, None too, after one warning a family and process."""
+    if switch == "xla":
         return None
-    return "gpu"
+    if switch != "interpret" and (runtime.gpu_generation() < 8
+                                  or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)):
+        return None
+    if TRITON_MISSING is not None:
+        runtime.fall_back(family, f"the Pallas Triton backend is unavailable ({TRITON_MISSING})")
+        return None
+    return "interpret" if switch == "interpret" else "gpu"
 
 
 def pow2(n: int) -> int:
@@ -109,7 +123,9 @@ _PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
 def _prefetch_primitive(asm: str, name: str):
     """The primitive (ref, element offsets [n], byte counts [n]) -> int32 [n] zeros that asks L2
     for those ranges of ref by `asm` (a count of 0 asks nothing), or None where JAX's internals
-    differ."""
+    differ or the Triton backend is unavailable."""
+    if TRITON_MISSING is not None:
+        return None
     try:
         from jax._src import core as jax_core
         from jax._src.interpreters import partial_eval as pe
@@ -117,7 +133,7 @@ def _prefetch_primitive(asm: str, name: str):
         from jax._src.lib.triton import dialect as tt_dialect
         from jax._src.pallas.triton import lowering as triton_lowering
         add, broadcast = triton_lowering._add, triton_lowering._bcast_to
-    except (ImportError, AttributeError):
+    except Exception:  # ImportError, AttributeError, or whatever a changed internal raises
         return None
     prim = jax_core.Primitive(name)
     prim.def_abstract_eval(lambda ref, offsets, counts: jax_core.ShapedArray(offsets.shape, jnp.int32))

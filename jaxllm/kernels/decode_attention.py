@@ -7,11 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from jaxllm import runtime
-from jaxllm.kernels.common import NEG, dot_t, launch_dependents, pdl_trigger, pow2
+from jaxllm.kernels.common import pl, plt, NEG, dot_t, launch_dependents, pdl_trigger, pow2
 from jaxllm.kernels.tuning import KernelTuning, current
 
 QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot

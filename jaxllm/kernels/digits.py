@@ -9,10 +9,8 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
-from jaxllm.kernels.common import launch_dependents, pdl_trigger, power_of_2, swiglu as _swiglu
+from jaxllm.kernels.common import pl, plt, launch_dependents, pdl_trigger, power_of_2, swiglu as _swiglu
 from jaxllm.kernels.tuning import KernelTuning, current
 
 DIGITS = 4  # a normed row's digits (`add_norm`'s): 32 bits, the unit 2^-30 of its largest value

@@ -8,11 +8,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from jaxllm.kernels import digits as D
-from jaxllm.kernels.common import (NEG, launch_dependents, pdl_trigger, pow2, prefetch as _prefetch,
+from jaxllm.kernels.common import (pl, plt, NEG, launch_dependents, pdl_trigger, pow2, prefetch as _prefetch,
                                    swiglu as _swiglu, to_f32 as _to_f32)
 from jaxllm.kernels.decode_attention import SplitHeads
 from jaxllm.kernels.digits import DOWN_DIGITS, DigitRow

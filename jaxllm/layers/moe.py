@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxllm.env import env_choice, env_flag
 from jaxllm.layers.quant import QuantizedWeight
-from jaxllm.runtime import gpu_generation
+from jaxllm.runtime import fall_back, gpu_generation
 
 
 # The path choice, made statically from shapes (`moe_path`): decode steps of up to this many
@@ -189,8 +189,14 @@ GROUPED_GEMM = env_choice("JAXLLM_GROUPED_GEMM", ("auto", "xla"), "auto")
 def _mgpu_ragged_dot():
     """The Mosaic GPU grouped GEMM under one jit: the layers' calls of one shape share a single
     lowering of the Pallas kernel. Lowered at each call site instead, the Mixtral shape's 64
-    sites took 80 s to compile (about 1 s each)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    sites took 80 s to compile (about 1 s each). None, after one warning, where the kernel's
+    module fails to import (a JAX without it): then `ragged_dot` is XLA's."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except Exception as e:  # ImportError, or any error of a module changed or half removed
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        fall_back("grouped_gemm", f"the Pallas Mosaic GPU ragged_dot is unavailable ({reason})")
+        return None
     return jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, **MGPU_TILES, transpose_rhs=True))
 
 
@@ -200,7 +206,8 @@ def _mgpu_ok(x_RK, w_ENK) -> bool:
     E, N, K = w_ENK.shape
     return (gpu_generation() == 9 and x_RK.dtype == w_ENK.dtype
             and x_RK.dtype in (jnp.bfloat16, jnp.float16)
-            and K % MGPU_TILES["block_k"] == 0 and N % MGPU_TILES["block_n"] == 0)
+            and K % MGPU_TILES["block_k"] == 0 and N % MGPU_TILES["block_n"] == 0
+            and _mgpu_ragged_dot() is not None)
 
 
 def _experts_ragged(x_MD, experts_MA, gate_up_EJFD, down_EDF):

@@ -87,7 +87,7 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, 
     """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel:
     a float16/bfloat16 model (float32 keeps XLA's exact form) within the kernel's limits."""
     t = tuning or current()
-    m = mode(t.decode_attention, dtype)
+    m = mode(t.decode_attention, dtype, "decode_attention")
     if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu"):
         return None
     return m
@@ -95,24 +95,24 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, 
 
 def decode_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
     """Whether a decode step's projections take `project`'s kernel: one row (batch 1)."""
-    return mode((tuning or current()).decode_project, dtype) if rows == 1 else None
+    return mode((tuning or current()).decode_project, dtype, "project") if rows == 1 else None
 
 
 def add_norm_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
     """Whether residual add + norm pairs take `add_norm`'s kernel."""
-    return mode((tuning or current()).add_norm, dtype)
+    return mode((tuning or current()).add_norm, dtype, "add_norm")
 
 
 def route_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
     """Whether MoE routing takes `route`'s kernel."""
-    return mode((tuning or current()).route, dtype)
+    return mode((tuning or current()).route, dtype, "route")
 
 
 def rows_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
     """Whether a decode step of `rows` rows (rows_min to rows_max) takes `rows_project`'s kernel;
     below rows_any_size rows only for large matrices (`rows_sized`)."""
     t = tuning or current()
-    return mode(t.rows_project, dtype) if t.rows_min <= rows <= t.rows_max else None
+    return mode(t.rows_project, dtype, "rows_project") if t.rows_min <= rows <= t.rows_max else None
 
 
 def rows_sized(rows: int, shapes, tuning: KernelTuning | None = None) -> bool:
