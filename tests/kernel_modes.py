@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxllm
+from jaxllm.kernels import probe
 from jaxllm.kernels import tuning as tuning_module
 from jaxllm.model.cache import init_cache
 
@@ -34,12 +35,18 @@ def tune(monkeypatch, **fields):
 
 def spy(monkeypatch, name: str, record=lambda *args: 1, module=None) -> list:
     """Wrap module.`name` (by default the kernel family's module that defines it) so each call
-    (each trace, for jitted callers) appends record(*args)."""
+    (each trace, for jitted callers) appends record(*args); not the calls of the step plan's
+    compile probes (`jaxllm.kernels.probe`)."""
     if module is None:
         module = next(m for m in FAMILIES if name in vars(m))
         name = "digits_call" if name == "_digits_call" else name  # the name project.py calls
     calls, real = [], getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
+
+    def wrapped(*a, **k):
+        if not probe.probing():
+            calls.append(record(*a))
+        return real(*a, **k)
+    monkeypatch.setattr(module, name, wrapped)
     return calls
 
 

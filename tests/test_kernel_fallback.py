@@ -180,3 +180,32 @@ def test_jax_internals_are_the_pinned_ones():
     assert used == set(JAX_INTERNALS), (
         f"new uses of jax._src: {sorted(used - set(JAX_INTERNALS))}; "
         f"gone (remove from JAX_INTERNALS): {sorted(set(JAX_INTERNALS) - used)}")
+
+
+def test_a_kernel_that_fails_to_compile_takes_xla_with_one_warning(monkeypatch):
+    """The backend imports but one family's kernel fails to lower (as under a JAX release it was
+    not written for): the plan takes XLA's form for that family alone, says so once, and
+    `generate` gives the tokens of XLA's run; the other families still take their kernels."""
+    from jaxllm.kernels import probe
+    from jaxllm.model.plan import step_plan
+    from tests.kernel_modes import tune
+
+    monkeypatch.setattr(runtime, "_fallen_back", set())
+    monkeypatch.setattr(probe, "_results", {})
+    params = random_params(PRESETS["tiny"], 0, jnp.float32)
+    tune(monkeypatch, decode_attention="xla", decode_project="xla", add_norm="xla")
+    expected = jaxllm.generate(params, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).tokens.tolist()
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no lowering rule for a primitive of this kernel")
+    monkeypatch.setattr(sys.modules["jaxllm.kernels.decode_attention"], "_decode_attention_kernel", broken)
+    tune(monkeypatch, decode_attention="interpret", decode_project="interpret", add_norm="interpret")
+    with pytest.warns(runtime.KernelFallbackWarning) as caught:
+        runs = [jaxllm.generate(params, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).tokens.tolist()
+                for _ in range(2)]
+    assert runs == [expected, expected]
+    assert [str(w.message) for w in caught] == [
+        "jaxllm: the decode_attention kernel takes XLA's form instead: its kernel does not compile "
+        "here (NotImplementedError: no lowering rule for a primitive of this kernel)"]
+    plan = step_plan(params, 1, 1, cache_length=128)  # a decode step's: the other kernels stay
+    assert plan.attention is None and plan.layers[0].projection.family == "project"

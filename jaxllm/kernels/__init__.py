@@ -9,6 +9,7 @@ fusion a step takes is the step plan's choice (`jaxllm.model.plan`); the knobs a
 - rows_project: 8-32-row tensor-core matrices with their epilogues
 - add_norm: residual add + RMSNorm (+ the normed row's digits)
 - route: MoE softmax + top-k
+- probe: whether each family compiles here (the plan takes XLA's form where one does not)
 """
 
 from jaxllm.kernels.add_norm import add_norm

@@ -16,6 +16,7 @@ from jaxllm import runtime
 from jaxllm.kernels.common import can_prefetch, mode
 from jaxllm.kernels.decode_attention import supports as attention_supports
 from jaxllm.kernels.digits import supports as digits_supports
+from jaxllm.kernels.probe import compiles
 from jaxllm.kernels.project import int8_tiled, supports as project_supports
 from jaxllm.kernels.rows_project import rows_tiles
 from jaxllm.kernels.tuning import KernelTuning, current
@@ -90,29 +91,34 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, 
     m = mode(t.decode_attention, dtype, "decode_attention")
     if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu"):
         return None
-    return m
+    return compiles("decode_attention", m, t)
 
 
 def decode_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
     """Whether a decode step's projections take `project`'s kernel: one row (batch 1)."""
-    return mode((tuning or current()).decode_project, dtype, "project") if rows == 1 else None
+    t = tuning or current()
+    return compiles("project", mode(t.decode_project, dtype, "project"), t) if rows == 1 else None
 
 
 def add_norm_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
     """Whether residual add + norm pairs take `add_norm`'s kernel."""
-    return mode((tuning or current()).add_norm, dtype, "add_norm")
+    t = tuning or current()
+    return compiles("add_norm", mode(t.add_norm, dtype, "add_norm"), t)
 
 
 def route_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
     """Whether MoE routing takes `route`'s kernel."""
-    return mode((tuning or current()).route, dtype, "route")
+    t = tuning or current()
+    return compiles("route", mode(t.route, dtype, "route"), t)
 
 
 def rows_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
     """Whether a decode step of `rows` rows (rows_min to rows_max) takes `rows_project`'s kernel;
     below rows_any_size rows only for large matrices (`rows_sized`)."""
     t = tuning or current()
-    return mode(t.rows_project, dtype, "rows_project") if t.rows_min <= rows <= t.rows_max else None
+    if not t.rows_min <= rows <= t.rows_max:
+        return None
+    return compiles("rows_project", mode(t.rows_project, dtype, "rows_project"), t)
 
 
 def rows_sized(rows: int, shapes, tuning: KernelTuning | None = None) -> bool:

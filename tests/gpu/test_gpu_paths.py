@@ -12,6 +12,7 @@
   gathered experts' SwiGLU in one variadic reduction against a reduction and a multiply after it;
 - generate's on-device loop stopping each row at its own stop id, and its tokens unchanged by the
   kernels' hints (PDL signals, L2 prefetch, load order);
+- every kernel family's compile probe (`kernels.probe`) passes;
 - on 2 GPUs or more, models split over two of them (tensor parallel) against one GPU.
 Bounds are a few times the bf16 errors seen on an H200: attention 3.5e-3, prefill logits 1.5e-2,
 MoE 7.2e-3.
@@ -529,3 +530,10 @@ def test_tensor_parallel_matches_one_gpu(name):
             steps.append(logits)
         outs.append(jnp.stack(steps, 1))
     assert rel(*outs) <= 3e-2
+
+
+def test_every_kernel_family_compiles_here():
+    """The step plan's compile probes pass on this GPU: no family falls back to XLA here."""
+    from jaxllm.kernels import probe
+    t = tuning_module.current()
+    assert {f: probe.compiles(f, "gpu", t) for f in probe.PROBES} == dict.fromkeys(probe.PROBES, "gpu")
