@@ -35,7 +35,7 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_sm_mhz, decode_sm_mhz_min, decode_power_w, decode_power_capped_pct,
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   floor_ms, floor_tokens_per_s, floor_sm_mhz, pct_of_floor,
-  activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, error
+  activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, decode_paths, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
 read after the timed generate calls, before the prefill is timed on its own. It includes what
 compiling took: XLA's autotuner, when no compilation cache has the program, held 72-258 MB more
@@ -43,6 +43,10 @@ than generate's run (SmolLM2, Qwen3-0.6B), 0-49 MB since `runtime.AUTOTUNE_OPTIO
 Llama-3.2-1B). activation_bytes is `memory.check_fit`'s bound on one step's activations (the
 prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + that bound on one
 device.
+decode_paths says which path a decode step's parts take: {"qkv", "attention", "o", "add_norm",
+"gate_up", "down", "lm_head"(, "route")} -> "project" (one-row kernel), "rows" (rows kernel),
+"kernel" or "xla" (jaxllm.model.plan.describe), so a run on a machine without a kernel backend,
+or a model whose features turn a kernel off, says so in its line.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s), cold and fresh;
 with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files,
@@ -572,6 +576,16 @@ def _model_devices(params) -> list:
     return jax.devices()[:1] if params.tp is None else list(params.tp.mesh.devices.flat)
 
 
+def _decode_paths(params, batch: int, cache_len: int, kv_dtype) -> dict:
+    """Which path each matrix, the attention and the add+norm pairs of a decode step take:
+    `plan.describe` of the step plan generate's loop makes ("project"/"rows"/"kernel"/"xla")."""
+    from jaxllm.model import sharding
+    from jaxllm.model.plan import describe, step_plan
+    axis = sharding.TP if params.tp is not None else None
+    return describe(step_plan(params, batch, 1, axis=axis, cache_length=cache_len,
+                              kv_int8=kv_dtype == "int8"))
+
+
 def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=None) -> dict:
     """The allocator's figures of the device using the most (of `devices`, by default the
     model's), beside what the request needs there."""
@@ -718,6 +732,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         floor_ms=floor.get("floor_ms"), floor_sm_mhz=floor.get("floor_sm_mhz"),
         floor_tokens_per_s=batch / floor["floor_ms"] * 1e3 if floor else None,
         pct_of_floor=100 * floor["floor_ms"] / (decode_s * 1e3) if floor else None,
+        decode_paths=_decode_paths(params, batch, cache_len, kv_dtype),
         **memory, **spec_fields, error=None)
 
     log(roofline.format_table(dec))

@@ -72,6 +72,9 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
                     "bytes_per_step", "decode_roofline_ms", "pct_of_roofline", "activation_bytes"):
             assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
         assert len(r["generate_s_all"]) == r["repeat"] == 3
+        # bfloat16 on a CPU: no kernel ("auto" takes them on a GPU only)
+        assert r["decode_paths"] == dict.fromkeys(
+            ("qkv", "attention", "o", "add_norm", "gate_up", "down", "lm_head"), "xla")
         assert r["generate_s"] == pytest.approx(sorted(r["generate_s_all"])[1])
         # What the first call took beyond a warm one; 0 where a warm compile cache left nothing.
         assert r["compile_s"] == pytest.approx(max(0.0, r["first_call_s"] - r["generate_s"]))

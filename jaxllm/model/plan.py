@@ -260,3 +260,26 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
             weights_first=bool(proj) and weights_first((layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down), t)))
     return StepPlan(layers=tuple(layers), head=Projection("project" if proj else None, proj, t),
                     attention=attention, down_layers=down_at, tuning=t, axis=axis)
+
+
+def describe(plan: StepPlan) -> dict[str, str]:
+    """Which path each part of a step takes, for reports (bench's JSON): per matrix ("qkv", "o",
+    "gate_up", "down", "lm_head") "project" (one-row kernel), "rows" (rows kernel) or "xla"; the
+    attention, add+norm pairs and MoE routing "kernel" or "xla". Where layers differ, their paths
+    joined by "/" in layer order (e.g. "kernel/xla")."""
+    def joined(values):
+        return "/".join(dict.fromkeys(values))
+    layers = plan.layers
+    matrix = lambda lp: lp.projection.family or "xla"
+    paths = {
+        "qkv": joined(matrix(lp) for lp in layers),
+        "attention": joined("kernel" if lp.attention else "xla" for lp in layers),
+        "o": joined(matrix(lp) for lp in layers),
+        "add_norm": joined("kernel" if lp.add_norm else "xla" for lp in layers),
+        "gate_up": joined(matrix(lp) if lp.ffn_kernel else "xla" for lp in layers),
+        "down": joined(matrix(lp) if lp.ffn_kernel else "xla" for lp in layers),
+        "lm_head": plan.head.family or "xla",
+    }
+    if any(lp.moe for lp in layers):
+        paths["route"] = joined("kernel" if lp.route else "xla" for lp in layers if lp.moe)
+    return paths
