@@ -155,6 +155,26 @@ def test_a_released_row_reads_nothing_of_its_previous_request(tiny, mode):
     np.testing.assert_array_equal(np.concatenate([_greedy(first), tokens[:, 0]]), alone.tokens[0])
 
 
+def test_a_step_over_the_first_rows_leaves_the_others_alone(tiny, mode):
+    """A step given fewer token rows than the cache has (a serving engine's step over its rows in
+    use) advances those rows as a cache of them alone would, and leaves every other row's slots
+    and bounds as they were."""
+    params = tiny("mistral").params  # a 4-token window, passed within the steps
+    prompts = [random_tokens(n, seed=70 + n) for n in (9, 5, 12)]
+    logits, cache = _running_batch(params, prompts, 32, mode)
+    step = jitted_step()
+    alone = jax.tree.map(lambda x: x[:2], cache)
+    token_2 = jnp.asarray(_greedy(logits)[:2, None])
+    for _ in range(6):
+        want, alone = step(params, token_2, alone)
+        got, stepped = step(params, token_2, cache)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        for new, old, own in zip(jax.tree.leaves(stepped), jax.tree.leaves(cache), jax.tree.leaves(alone)):
+            np.testing.assert_array_equal(np.asarray(new[2:]), np.asarray(old[2:]))  # row 2 untouched
+            np.testing.assert_array_equal(np.asarray(new[:2]), np.asarray(own))
+        cache, token_2 = stepped, jnp.asarray(_greedy(got)[:, None])
+
+
 @pytest.mark.parametrize("name", ["mistral", "qwen3"])
 def test_a_step_returns_the_logits_of_every_new_position(tiny, name):
     """`step(..., all_logits=True)` of 4 tokens a row over a warm cache whose rows end at

@@ -120,6 +120,18 @@ def test_concurrent_requests_equal_generate_alone(engine, params):
     assert s["occupied_rows"] > 2 * s["decode_steps"]  # the rows ran together
 
 
+def test_a_lone_request_steps_one_row(engine, params):
+    """A request takes the lowest free row and a decode step computes the rows up to the last
+    running one (a decode bucket): a lone stream runs one-row steps (a GPU's batch-1 kernels),
+    with generate's tokens."""
+    before = _wait_idle(engine)
+    prompt = _prompt(random.Random(5), 9)
+    assert _run(engine, Request(prompt, 12, ignore_eos=True)).tokens == _alone(params, prompt, 12)
+    after = _wait_idle(engine)
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert steps >= 11 and after["computed_rows"] - before["computed_rows"] == steps
+
+
 def test_a_row_a_long_request_left_equals_a_fresh_run(engine, params):
     """A short request in the row a long one just left sees nothing of its previous occupant."""
     rng = random.Random(1)

@@ -51,6 +51,9 @@ from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
 from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release
 from jaxllm.model.transformer import rotation_table, step
 
+# Decode buckets below max_slots: 1 (a lone stream: the one-row kernels), 8 and 32 (the rows
+# kernel's range); each adds four programs to the compile set.
+DECODE_ROWS = (1, 8, 32)
 GREEDY = SamplingFlags()  # every running row greedy and without penalties: an argmax, no history
 EVERY = SamplingFlags.every()  # otherwise: each row's own values turn off what it does not use
 
@@ -163,23 +166,48 @@ def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sam
     return rows, nxt, first_1, logprobs
 
 
-def _decode(params, rows: Rows, nxt: Next, active_B, rotation, *, flags: SamplingFlags, logprobs: bool):
-    """One token for every row (free rows emptied first: they write slot 0 and read nothing).
-    Returns (rows, next, tokens [B], logprobs or None)."""
-    cache = release(rows.cache, ~active_B)
-    logits_BV, cache = step(params, nxt.tokens[:, None], cache, rotation=rotation)
-    history = (rows.seen, rows.counts)
-    token_B = choose(logits_BV, history, nxt.sampling, nxt.index, flags)
+def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: SamplingFlags, logprobs: bool):
+    """One token for each of the cache's first n rows, n = len(active_n) (a decode bucket: the
+    rows past it are neither read nor written); free rows among them are emptied first (they write
+    slot 0 and read nothing). Returns (rows, next, tokens [n], logprobs or None)."""
+    B, n = rows.cache.batch, active_n.shape[0]
+    first = (lambda x: x) if n == B else (lambda x: x[:n])
+    put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
+    cache = rows.cache
+    free = release(cache.replace(start=first(cache.start), end=first(cache.end)), ~active_n)
+    cache = cache.replace(start=put(cache.start, free.start), end=put(cache.end, free.end))
+    logits_nV, cache = step(params, first(nxt.tokens)[:, None], cache, rotation=rotation)
+    history = (first(rows.seen), first(rows.counts))
+    token_n = choose(logits_nV, history, jax.tree.map(first, nxt.sampling), first(nxt.index), flags)
     if not flags.greedy:  # the greedy program runs only while no running row reads a history
-        history = record(history, token_B, active_B)
-    rows = Rows(cache, *history)
-    return rows, Next(token_B, nxt.index + 1, nxt.sampling), token_B, \
-        _logprobs(logits_BV, token_B) if logprobs else None
+        history = record(history, token_n, active_n)
+    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]))
+    nxt = Next(put(nxt.tokens, token_n), put(nxt.index, first(nxt.index) + 1), nxt.sampling)
+    return rows, nxt, token_n, _logprobs(logits_nV, token_n) if logprobs else None
 
 
 def _donated(*argnums) -> tuple[int, ...]:
     # CPU cannot donate buffers (and warns each call); on a GPU the cache is updated in place.
     return () if jax.default_backend() == "cpu" else argnums
+
+
+_jitted: dict[str, dict] = {}
+
+
+def _programs() -> dict:
+    """The engine's jitted programs, one set a backend and process: engines of one model shape
+    (a server restarted in-process, tests) share their compilations."""
+    backend = jax.default_backend()
+    if backend not in _jitted:
+        _jitted[backend] = {
+            "prefill": jax.jit(partial(_prefill_insert, kv_int8=False), donate_argnums=_donated(1)),
+            "prefill_int8": jax.jit(partial(_prefill_insert, kv_int8=True), donate_argnums=_donated(1)),
+            **{f"chunk_{first}": jax.jit(partial(_chunk, first=first), donate_argnums=_donated(1))
+               for first in (True, False)},
+            "chunk_insert": jax.jit(_chunk_insert, donate_argnums=_donated(1)),
+            "decode": jax.jit(_decode, donate_argnums=_donated(1), static_argnames=("flags", "logprobs")),
+        }
+    return _jitted[backend]
 
 
 # --- the host side ---------------------------------------------------------------------------------
@@ -223,24 +251,27 @@ class BatchingEngine:
 
     def __init__(self, params, *, max_slots: int = 8, max_context: int | None = None, max_queued: int = 64,
                  prefill_chunk: int = 512, prefill_batches: tuple[int, ...] = (1, 4, 16),
-                 eos_token_ids=(), kv_dtype=None, load: Callable[[], object] | None = None):
+                 decode_rows: tuple[int, ...] = DECODE_ROWS, eos_token_ids=(), kv_dtype=None,
+                 load: Callable[[], object] | None = None):
         """`params` may be None with `load` given: `start()` calls `load()` for them (a server
         answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
         `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
         `max_queued` more wait. Prompts of more than `prefill_chunk` tokens (a bucket length: a
         power of two >= 16, or a multiple of 1024) are prefilled in chunks of that many between
         decode steps; shorter ones in batches of `prefill_batches` rows of one bucket width, as
-        many rows as fit in `prefill_chunk` tokens. A request stops at `eos_token_ids` and the
-        model's own EOS ids unless it says `ignore_eos`."""
+        many rows as fit in `prefill_chunk` tokens. A decode step computes the first n rows of
+        the cache, n the least of `decode_rows` (and max_slots) that holds every running row:
+        requests take the lowest free row, so a lone stream runs batch-1 steps. A request stops
+        at `eos_token_ids` and the model's own EOS ids unless it says `ignore_eos`."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
         if prefill_chunk < MIN_BUCKET or bucket(prefill_chunk) != prefill_chunk:
             raise ValueError(f"prefill_chunk must be a power of two >= {MIN_BUCKET} or a multiple of 1024, "
                              f"got {prefill_chunk}")
-        if not prefill_batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
-                                      for b in prefill_batches):
-            raise ValueError(f"prefill_batches must be whole numbers >= 1, got {prefill_batches!r}")
+        for name, sizes in (("prefill_batches", prefill_batches), ("decode_rows", decode_rows)):
+            if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+                raise ValueError(f"{name} must be whole numbers >= 1, got {sizes!r}")
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                         or max_context < 2):
             raise ValueError(f"max_context must be a whole number >= 2, got {max_context!r}")
@@ -251,6 +282,7 @@ class BatchingEngine:
         self.max_slots, self.max_context, self.max_queued = max_slots, max_context, max_queued
         self.prefill_chunk = prefill_chunk
         self._batches = tuple(sorted(set(b for b in prefill_batches if b <= max_slots) | {1}))
+        self._decode_rows = tuple(sorted(set(n for n in decode_rows if n < max_slots) | {max_slots}))
         self._kv_dtype = kv_dtype
         self.on_failure: Callable[[str], None] | None = None
         self._cond = threading.Condition(threading.RLock())
@@ -268,6 +300,7 @@ class BatchingEngine:
         self._thread: threading.Thread | None = None
         self._compilations = 0
         self._counters = dict(decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0, occupied_rows=0,
+                              computed_rows=0,
                               host_s=0.0, wait_s=0.0)
         global _listening
         if not _listening:
@@ -376,12 +409,13 @@ class BatchingEngine:
         self._stage = Rows(init_cache(p.config, 1, self._length, p.dtype, kv_dtype=self._kv_dtype),
                            jnp.zeros((1, V), bool), jnp.zeros((1, 0), jnp.int32))
         self._rotation = rotation_table(p.config, self._length) if p.tp is None else None
-        int8 = is_int8(self._kv_dtype)
-        self._prefill_fn = jax.jit(partial(_prefill_insert, kv_int8=int8), donate_argnums=_donated(1))
-        self._chunk_fns = {first: jax.jit(partial(_chunk, first=first), donate_argnums=_donated(1))
-                           for first in (True, False)}
-        self._chunk_insert_fn = jax.jit(_chunk_insert, donate_argnums=_donated(1))
-        self._decode_fn = jax.jit(_decode, donate_argnums=_donated(1), static_argnames=("flags", "logprobs"))
+        if p.tp is not None:  # a sharded step computes every row
+            self._decode_rows = (B,)
+        programs = _programs()
+        self._prefill_fn = programs["prefill_int8" if is_int8(self._kv_dtype) else "prefill"]
+        self._chunk_fns = {first: programs[f"chunk_{first}"] for first in (True, False)}
+        self._chunk_insert_fn = programs["chunk_insert"]
+        self._decode_fn = programs["decode"]
 
     def _widths(self) -> list[int]:
         widths, w = [], MIN_BUCKET
@@ -396,7 +430,7 @@ class BatchingEngine:
 
     def _warm_up(self) -> None:
         """Run every program once on padding rows (dropped) and free rows: prefill for each width
-        and batch size, the chunk programs, the four decode programs."""
+        and batch size, the chunk programs, the four decode programs of each decode bucket."""
         B = self.max_slots
         pad = self._params.config.pad_id
         for width in self._widths():
@@ -411,11 +445,12 @@ class BatchingEngine:
             self._stage = self._chunk_fns[False](self._params, self._stage, tokens, None)
             self._rows, self._next, *_ = self._chunk_insert_fn(
                 self._params, self._rows, self._next, self._stage, tokens, np.int32(0), _sampling_values([None]))
-        for flags in (GREEDY, EVERY):
-            for logprobs in (False, True):
-                self._rows, self._next, *_ = self._decode_fn(
-                    self._params, self._rows, self._next, np.zeros((B,), bool), self._rotation,
-                    flags=flags, logprobs=logprobs)
+        for n in self._decode_rows:
+            for flags in (GREEDY, EVERY):
+                for logprobs in (False, True):
+                    self._rows, self._next, *_ = self._decode_fn(
+                        self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
+                        flags=flags, logprobs=logprobs)
         jax.block_until_ready(self._rows)
 
     # --- the engine thread --------------------------------------------------------------------
@@ -508,6 +543,8 @@ class BatchingEngine:
             self._chunk_turn = False
         active = np.array([o is not None and self._staging is not o for o in self._owner])
         if active.any():
+            n = next(n for n in self._decode_rows if n > np.flatnonzero(active)[-1])
+            active = active[:n]
             requests = [o.request for o, a in zip(self._owner, active) if a]
             flags = EVERY if any(r.temperature > 0 or r.repetition_penalty != 1 or r.presence_penalty != 0
                                  or r.frequency_penalty != 0 for r in requests) else GREEDY
@@ -517,6 +554,7 @@ class BatchingEngine:
             self._pending.append(_Pending([o if a else None for o, a in zip(self._owner, active)], tokens, lp))
             self._counters["decode_steps"] += 1
             self._counters["occupied_rows"] += int(active.sum())
+            self._counters["computed_rows"] += n
         while len(self._pending) > (1 if active.any() else 0):
             self._deliver(self._pending.popleft())
 

@@ -67,8 +67,9 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
                ((kv[0], k_BTKH.transpose(0, 2, 1, 3), kv[2]), (kv[1], v_BTKH.transpose(0, 2, 1, 3), kv[3])))
     (k_cache, k_scale), (v_cache, v_scale) = kv
     if unroll_BT is None:
-        out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), k_cache, v_cache, mask_BTS, k_scale,
-                                v_scale)
+        rows = lambda a: a if a is None or a.shape[0] == B else a[:B]  # the cache's first B rows
+        out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), rows(k_cache), rows(v_cache), mask_BTS,
+                                rows(k_scale), rows(v_scale))
     return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, k_scale, v_scale)
 
 
@@ -91,6 +92,11 @@ def _write(cache_BKSH, new_BKTH, scale_BKS, end_B):
     def put(into, x):
         if end_B is None:
             return jax.lax.dynamic_update_slice(into, x, (zero,) * into.ndim)
+        if x.shape[0] < into.shape[0]:  # the cache's first B rows (see `step`): a scatter in place
+            B, T = x.shape[0], x.shape[2]
+            slots_BT = end_B[:, None] + jnp.arange(T, dtype=jnp.int32)
+            # the two index arrays put [B, T] first: updates [B, T, K(, H)]
+            return into.at[jnp.arange(B)[:, None], :, slots_BT].set(jnp.moveaxis(x, 2, 1))
         # Per row (vmapped: one scatter of B updates [K, T, ...] at (0, end_b, ...)).
         at = lambda end: (zero, end) + (zero,) * (into.ndim - 3)  # a row's [K, S, ...]
         return jax.vmap(lambda a, b, end: jax.lax.dynamic_update_slice(a, b, at(end)))(into, x, end_B)
@@ -167,6 +173,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
     cfg = params.config
     B, T = tokens_BT.shape
     plan = plan or _plan(params, tokens_BT, cache, fresh=fresh)
+    # Fewer token rows than the cache has: they are its first B rows (see `step`).
+    start_B, end_B = (x if x.shape[0] == B else x[:B] for x in (cache.start, cache.end))
     axis = plan.axis
     # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
     # where transformers leaves the base alone; the cache length (left padding, bucket slack)
@@ -177,22 +185,22 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
     t_T = jnp.arange(T, dtype=jnp.int32)
     fused_args = None
     if fresh:
-        roll_BT = (t_T[None, :] + cache.start[:, None]) % T
-        unroll_BT = (t_T[None, :] - cache.start[:, None]) % T
+        roll_BT = (t_T[None, :] + start_B[:, None]) % T
+        unroll_BT = (t_T[None, :] - start_B[:, None]) % T
         tokens_BT = jnp.take_along_axis(tokens_BT, roll_BT, axis=1)
         positions_BT = jnp.broadcast_to(t_T, (B, T))
         masks = dict.fromkeys(windows)
     else:
         unroll_BT = None
-        q_slots_BT = cache.end[:, None] + t_T[None, :]  # each row writes at its own end
+        q_slots_BT = end_B[:, None] + t_T[None, :]  # each row writes at its own end
         # Left padding sits before start; its (unused) positions are clamped to 0.
-        positions_BT = jnp.maximum(q_slots_BT - cache.start[:, None], 0)
+        positions_BT = jnp.maximum(q_slots_BT - start_B[:, None], 0)
         if plan.attention:  # every position's rotation, unless the caller made the table before its loop
             if rotation is None:
                 rotation = rotation_table(cfg, cache.length)
-            fused_args = (cache.start, rotation)
+            fused_args = (start_B, rotation)
         masks = dict.fromkeys(windows) if plan.attention else \
-            {w: L.visible_mask(q_slots_BT, cache.start, cache.length, w) for w in windows}
+            {w: L.visible_mask(q_slots_BT, start_B, cache.length, w) for w in windows}
     x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
     normed_BTD = None
     head_VD = params.embed if params.lm_head is None else params.lm_head
@@ -208,7 +216,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
               cache.v_scale and cache.v_scale[i])
         next_norm, next_w = nexts[i]
         inputs = StepInputs(
-            cache.end, positions_BT, masks[lp.window], inv_freq, unroll_BT, fused_args, next_norm,
+            end_B, positions_BT, masks[lp.window], inv_freq, unroll_BT, fused_args, next_norm,
             # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
             # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
             next_w if lp.prefetch[3] else None,
@@ -220,7 +228,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
         x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
                              for a in (x_BTD, normed_BTD))
     k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
-    cache = cache.replace(k=k, v=v, end=cache.end + T,
+    cache = cache.replace(k=k, v=v, end=cache.end + T if B == cache.batch else cache.end.at[:B].add(T),
                           k_scale=None if cache.k_scale is None else k_scale,
                           v_scale=None if cache.v_scale is None else v_scale)
     return x_BTD, normed_BTD, cache
@@ -383,6 +391,10 @@ def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotatio
     end_b - start_b + t, each attending over its own row's live slots; then end += T. Returns
     (last-position logits [B, V], cache), or with `all_logits` (static) the logits [B, T, V] of
     every new position (a speculative verify step).
+
+    `tokens_BT` may have fewer rows than the cache: they are then its first B rows, and the
+    other rows are neither read nor written (a serving engine's decode step over the rows in use;
+    unsharded params, not `fresh`).
 
     Unchecked: the caller guarantees max(end) + T <= S and ids within the vocabulary, and with
     `fresh` (static) that the cache is empty (every end 0): a prompt's prefill, which then attends
