@@ -35,7 +35,7 @@ JSON keys (times in the unit their name says; null when not available on this de
   decode_sm_mhz, decode_sm_mhz_min, decode_power_w, decode_power_capped_pct,
   decode_roofline_ms, pct_of_roofline, roofline_tokens_per_s,
   floor_ms, floor_tokens_per_s, floor_sm_mhz, pct_of_floor,
-  activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, error
+  activation_bytes, peak_bytes_in_use, bytes_in_use, bytes_limit, peak_pct_of_need, decode_path, error
 peak_bytes_in_use is the process's peak so far (JAX cannot reset it; runs are in the order given),
 read after the timed generate calls, before the prefill is timed on its own. It includes what
 compiling took: XLA's autotuner, when no compilation cache has the program, held 72-258 MB more
@@ -43,6 +43,10 @@ than generate's run (SmolLM2, Qwen3-0.6B), 0-49 MB since `runtime.AUTOTUNE_OPTIO
 Llama-3.2-1B). activation_bytes is `memory.check_fit`'s bound on one step's activations (the
 prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + that bound on one
 device.
+decode_path says which path a decode step of the run's rows takes, as the step plan chose it
+(`jaxllm.model.plan.decode_path`): "kernels" (every block and the lm_head through fused kernels),
+"xla" (none: XLA's forms, as for Gemma's (1 + w) norms, GeGLU and post-norms, a float32 model or
+a CPU), else the kernel families that do run ("attention+project+add_norm", ...).
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s), cold and fresh;
 with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files,
@@ -595,6 +599,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     from jaxllm.engine.generate import bucket, compiler_options, pad_prompts
     from jaxllm.model.cache import cache_bytes, init_cache
     from jaxllm.model.params import param_bytes, param_count
+    from jaxllm.model.plan import decode_path, step_plan
+    from jaxllm.model.sharding import TP
     from jaxllm.model.transformer import step
     from jaxllm.tools import roofline, telemetry
 
@@ -671,6 +677,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     del logits
     ttft_s = prefill_s + sample_s
     decode_s = (generate_s - ttft_s) / (new - 1)
+    decode_plan = step_plan(params, batch, 1, axis=None if params.tp is None else TP,
+                            cache_length=cache_len, kv_int8=kv_dtype == "int8")
     if decode_s <= 0:
         log("bench: generate took no longer than its prefill: too few new tokens to time a decode step")
         decode_s = float("nan")
@@ -718,9 +726,10 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         floor_ms=floor.get("floor_ms"), floor_sm_mhz=floor.get("floor_sm_mhz"),
         floor_tokens_per_s=batch / floor["floor_ms"] * 1e3 if floor else None,
         pct_of_floor=100 * floor["floor_ms"] / (decode_s * 1e3) if floor else None,
-        **memory, **spec_fields, error=None)
+        **memory, **spec_fields, decode_path=decode_path(decode_plan), error=None)
 
     log(roofline.format_table(dec))
+    log(f"decode path: {result['decode_path']}")
     log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "
         f"{achieved / 1e12:.2f} TB/s ({result['pct_peak_bw']:.0f}% of {peak_bw / 1e12:.1f}"
         + (f", {result['pct_copy_bw']:.0f}% of the measured copy {copy_bw / 1e12:.2f}" if copy_bw else "")

@@ -164,9 +164,9 @@ def _from_dict(c: dict) -> ModelConfig:
 def text_tensor_names(config: dict, names) -> dict[str, str] | None:
     """For a multimodal checkpoint (a `gemma3` config.json), the text model's tensors: HF text-model
     name -> the name stored, the vision tower's and projector's left out; None for any other
-    checkpoint. Hub checkpoints store `language_model.model.layers...`, transformers 5 writes
-    `model.language_model.layers...`; the lm_head (untied only) as `lm_head` or
-    `language_model.lm_head`."""
+    checkpoint. The Hub's checkpoints (and save_pretrained's) store `language_model.model.layers...`,
+    transformers 5's modules name them `model.language_model.layers...`; an untied lm_head is
+    `language_model.lm_head` or `lm_head`."""
     if config.get("model_type") not in gemma.WRAPPERS:
         return None
     out = {}

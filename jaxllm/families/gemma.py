@@ -55,7 +55,8 @@ WRAPPERS = {"gemma3": "gemma3_text"}
 
 def unwrap(c: dict) -> dict:
     """A `gemma3` (multimodal) config.json's text model config: its text_config, with the
-    wrapper's token ids where it states them. Any other config comes back as it is."""
+    wrapper's token ids where it states them and its tie_word_embeddings. Any other config comes
+    back as it is."""
     if c.get("model_type") not in WRAPPERS:
         return c
     text = c.get("text_config")
@@ -68,7 +69,10 @@ def unwrap(c: dict) -> dict:
         raise ValueError(f"a {c['model_type']!r} config's text_config must be of model_type "
                          f"{text_type!r}, not {text.get('model_type')!r}")
     ids = {k: c[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if c.get(k) is not None}
-    return {**text, **ids, "model_type": text_type}
+    # The wrapper's tie_word_embeddings decides (transformers ties by the model's own config): True
+    # unless it says otherwise
+    tie = c.get("tie_word_embeddings")
+    return {**text, **ids, "model_type": text_type, "tie_word_embeddings": True if tie is None else tie}
 
 
 def with_defaults(c: dict) -> dict:
