@@ -12,6 +12,7 @@ import json
 import shutil
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import torch
@@ -211,7 +212,6 @@ def test_the_plan_keeps_gemma_on_xlas_forms_and_says_so(tiny, monkeypatch):
 
 def test_gemma_norms_init_neutral_and_roofline_counts_the_post_norms(tiny):
     """Random Gemma weights (presets, benchmarks) start with norms of scale 1: weights 0."""
-    import jax
     from jaxllm.tools import roofline
 
     cfg = tiny("gemma3").params.config
@@ -395,10 +395,15 @@ def test_gguf_tensors_are_the_hf_models_and_transformers_reads_them_alike(gguf_m
 
 
 @pytest.mark.parametrize("name", GEMMA)
-def test_a_gguf_file_loads_the_model_its_hf_directory_does(gguf_models, tiny, name):
+def test_a_gguf_file_loads_the_model_its_hf_directory_does(gguf_models, name, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
     model, directory = gguf_models[name]
     from_hf = jaxllm.load(directory / "hf", dtype="float32")
     from_gguf = jaxllm.load(directory / "tiny.gguf", dtype="float32")
+    cached = jaxllm.load(directory / "tiny.gguf", dtype="float32")  # the converted copy, read back
+    assert len(list((tmp_path / "cache").iterdir())) == 1 and cached.config == from_gguf.config
+    for a, b in zip(jax.tree.leaves(cached), jax.tree.leaves(from_gguf), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The file's stop ids add the template's <end_of_turn> (id 5) to its eos; its eps is a float32
     assert from_gguf.config == dataclasses.replace(from_hf.config, eos_token_ids=(2, 5),
                                                    rms_norm_eps=float(np.float32(0.1)))
