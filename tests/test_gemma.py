@@ -188,6 +188,24 @@ def test_ragged_generate_rows_equal_rows_alone(tiny):
         np.testing.assert_array_equal(out.tokens[b], alone.tokens[0], err_msg=f"row {b}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GEMMA)
+def test_bf16_is_as_close_to_float32_as_transformers_bf16(tiny, name, tmp_path):
+    """In bf16, jaxllm's logits stray from the float32 model's no more than transformers' bf16
+    logits do (bf16 results are checked with a bound, never for equality: DESIGN.md)."""
+    import copy
+    m = tiny(name)
+    hf_bf16 = copy.deepcopy(m.hf).to(torch.bfloat16)
+    hf_bf16.save_pretrained(tmp_path)
+    params = jaxllm.load(tmp_path, dtype="bfloat16")
+    tokens = random_tokens((1, 24))
+    with torch.no_grad():
+        theirs = hf_bf16(torch.as_tensor(tokens)).logits.float().numpy()
+    reference = m.hf_logits(tokens)
+    ours = np.asarray(jaxllm.forward(params, tokens))
+    assert rel_err(ours, reference) < 1.5 * rel_err(theirs, reference)
+
+
 def test_the_plan_keeps_gemma_on_xlas_forms_and_says_so(tiny, monkeypatch):
     """With every kernel switched on (interpret mode, on a CPU), a Llama decode step takes them;
     Gemma's takes none (its (1 + w) norms, GeGLU, post-norms, soft caps and two ropes are no
