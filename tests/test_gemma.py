@@ -526,3 +526,25 @@ def test_jaxllm_generate_on_a_gemma_directory(gemma_chat_dir, capsys):
     new = [int(t) for t in out.tokens[0, :int(out.lengths[0])] if int(t) not in stops]
     assert new, "the tiny model stopped at once: the test would compare nothing"
     assert shown == tok.decode(new) + "\n"
+
+
+def test_a_converted_gemma_checkpoint_restores_it_and_older_ones_still_load(tiny, tmp_path):
+    """`jaxllm convert`'s checkpoint keeps the Gemma switches (the local rope a nested object);
+    one converted before those fields existed loads with their defaults."""
+    from jaxllm.io import checkpoint
+
+    m = tiny("gemma3")
+    checkpoint.save(m.params, tmp_path / "gemma3")
+    restored = jaxllm.load(tmp_path / "gemma3")
+    assert restored.config == m.params.config
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(m.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    llama = tiny("llama").params
+    checkpoint.save(llama, tmp_path / "llama")
+    config_file = tmp_path / "llama" / checkpoint.CONFIG_FILE
+    meta = json.loads(config_file.read_text())
+    for key in ("local_rope", "norm_offset", "activation", "post_norms", "embed_scale",
+                "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+        del meta["config"][key]
+    config_file.write_text(json.dumps(meta))
+    assert jaxllm.load(tmp_path / "llama").config == llama.config
