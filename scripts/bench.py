@@ -46,7 +46,8 @@ device.
 decode_paths says which path a decode step's parts take: {"qkv", "attention", "o", "add_norm",
 "gate_up", "down", "lm_head"(, "route")} -> "project" (one-row kernel), "rows" (rows kernel),
 "kernel" or "xla" (jaxllm.model.plan.describe), so a run on a machine without a kernel backend,
-or a model whose features turn a kernel off, says so in its line.
+or a model whose features turn a kernel off (Gemma's (1 + w) norms, GeGLU, post-norms, soft
+caps), says so in its line.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s), cold and fresh;
 with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files,
@@ -576,16 +577,6 @@ def _model_devices(params) -> list:
     return jax.devices()[:1] if params.tp is None else list(params.tp.mesh.devices.flat)
 
 
-def _decode_paths(params, batch: int, cache_len: int, kv_dtype) -> dict:
-    """Which path each matrix, the attention and the add+norm pairs of a decode step take:
-    `plan.describe` of the step plan generate's loop makes ("project"/"rows"/"kernel"/"xla")."""
-    from jaxllm.model import sharding
-    from jaxllm.model.plan import describe, step_plan
-    axis = sharding.TP if params.tp is not None else None
-    return describe(step_plan(params, batch, 1, axis=axis, cache_length=cache_len,
-                              kv_int8=kv_dtype == "int8"))
-
-
 def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=None) -> dict:
     """The allocator's figures of the device using the most (of `devices`, by default the
     model's), beside what the request needs there."""
@@ -609,6 +600,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     from jaxllm.engine.generate import bucket, compiler_options, pad_prompts
     from jaxllm.model.cache import cache_bytes, init_cache
     from jaxllm.model.params import param_bytes, param_count
+    from jaxllm.model.plan import describe, step_plan
+    from jaxllm.model.sharding import TP
     from jaxllm.model.transformer import step
     from jaxllm.tools import roofline, telemetry
 
@@ -685,6 +678,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     del logits
     ttft_s = prefill_s + sample_s
     decode_s = (generate_s - ttft_s) / (new - 1)
+    decode_plan = step_plan(params, batch, 1, axis=None if params.tp is None else TP,
+                            cache_length=cache_len, kv_int8=kv_dtype == "int8")
     if decode_s <= 0:
         log("bench: generate took no longer than its prefill: too few new tokens to time a decode step")
         decode_s = float("nan")
@@ -732,10 +727,10 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         floor_ms=floor.get("floor_ms"), floor_sm_mhz=floor.get("floor_sm_mhz"),
         floor_tokens_per_s=batch / floor["floor_ms"] * 1e3 if floor else None,
         pct_of_floor=100 * floor["floor_ms"] / (decode_s * 1e3) if floor else None,
-        decode_paths=_decode_paths(params, batch, cache_len, kv_dtype),
-        **memory, **spec_fields, error=None)
+        decode_paths=describe(decode_plan), **memory, **spec_fields, error=None)
 
     log(roofline.format_table(dec))
+    log(f"decode paths: {result['decode_paths']}")
     log(f"measured: decode {decode_s * 1e3:.3f} ms/step = {result['pct_of_roofline']:.0f}% of the bound, "
         f"{achieved / 1e12:.2f} TB/s ({result['pct_peak_bw']:.0f}% of {peak_bw / 1e12:.1f}"
         + (f", {result['pct_copy_bw']:.0f}% of the measured copy {copy_bw / 1e12:.2f}" if copy_bw else "")

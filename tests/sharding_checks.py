@@ -50,6 +50,13 @@ VARIANTS: dict[str, dict] = {
     # Layer 1 sparse, layer 0 dense.
     "qwen3_moe": dict(model_type="qwen3_moe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, decoder_sparse_step=2, norm_topk_prob=True),
+    # Post-norms after the psums, scores capped per device, logits capped split over the vocab.
+    "gemma2": dict(model_type="gemma2", num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    # A sliding layer rotating with its own base, then a global one; (1 + w) q/k norms.
+    "gemma3": dict(model_type="gemma3_text", num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, sliding_window=4, rope_local_base_freq=100.0,
+                   layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True),
 }
 
 # (variant, tp, data, expert_parallel, expected TensorParallel fields)
@@ -65,6 +72,8 @@ CASES = [
     ("mixtral", 4, 1, True, dict(experts=True, expert_ffn=False)),  # expert parallel
     ("qwen3_moe", 4, 1, False, dict(experts=False, expert_ffn=True, ffn=True)),  # experts' F split
     ("llama_k4", 4, 2, False, dict(heads=True)),  # a ("data", "tp") mesh of 8
+    ("gemma2", 4, 1, False, dict(heads=True, ffn=True, vocab=True, kv_replicas=1)),
+    ("gemma3", 4, 1, False, dict(heads=True, vocab=True, kv_replicas=2)),
 ]
 # The public prefill and its cache shards (one more compilation each): these cases only.
 PREFILL_CASES = {("llama_k2", 4, 1), ("llama_k4", 4, 2)}
@@ -443,7 +452,8 @@ def _checks(root: Path) -> list[tuple[str, object]]:
 
 CHECK_NAMES = [name for name, _ in _checks(Path())]
 # Two halves for two processes, each variant's cases (and its reference compilations) in one.
-_FIRST_HALF = {"llama_k4", "llama_tied", "qwen3", "mixtral", "abstract_70b", "decode_kernel_sharded"}
+_FIRST_HALF = {"llama_k4", "llama_tied", "qwen3", "mixtral", "abstract_70b", "decode_kernel_sharded",
+               "gemma2"}
 
 
 def part_of(name: str) -> int:

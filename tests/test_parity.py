@@ -45,7 +45,8 @@ def _hidden_states(params, tokens_BT):
     cache = jaxllm.init_cache(params.config, B, T, params.dtype)
     states = [model._hidden(params.replace(layers=params.layers[:i]), tokens_BT, cache)[0]
               for i in range(len(params.layers) + 1)]
-    states[-1] = layers.rms_norm(states[-1], params.final_norm, params.config.rms_norm_eps)
+    states[-1] = layers.rms_norm(states[-1], params.final_norm, params.config.rms_norm_eps,
+                                 params.config.norm_offset)
     return states
 
 
@@ -103,8 +104,8 @@ def test_sliding_layers_follow_max_window_layers(tiny):
 # generate and the cached path compile per config (seconds each on a CPU): they run on one variant
 # of each code path. The rope variants differ from llama only in constant tables, checked above.
 # (Plain llama's greedy tokens are compared with transformers in test_generate, with a penalty.)
-GREEDY = ["llama3", "llama_bias", "mistral", "qwen2_swa", "qwen3"]
-CACHED = ["llama_yarn", "mistral", "qwen2_swa", "qwen3"]
+GREEDY = ["llama3", "llama_bias", "mistral", "qwen2_swa", "qwen3", "gemma2", "gemma3"]
+CACHED = ["llama_yarn", "mistral", "qwen2_swa", "qwen3", "gemma2", "gemma3"]
 
 
 @pytest.mark.slow

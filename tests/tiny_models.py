@@ -4,7 +4,8 @@ Each variant is a transformers config small enough to build, save and run in wel
 on a CPU, yet with every family switch that jaxllm implements turned on somewhere: GQA, tied and
 untied embeddings, each RoPE scaling type (with parameters chosen so the scaling really changes
 the frequencies), attention biases, sliding windows short enough to mask inside a 12-token prompt,
-per-head q/k norms and an explicit head_dim.
+per-head q/k norms and an explicit head_dim; Gemma 2 with soft caps small enough to bite and a
+query_pre_attn_scalar that is not the head size, Gemma 3 with a local rope unlike its global one.
 
 transformers initialises norms to one and biases to zero, which would hide a swapped norm or a
 dropped bias; `build` re-draws every parameter, and scales matrices so logits are spread out
@@ -60,14 +61,30 @@ VARIANTS: dict[str, tuple[type, dict]] = {
     # head_dim 32 while D / N = 16; tied embeddings as in the small Qwen3 checkpoints.
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=True,
                                              rope_parameters=_rope(theta=1000000.0))),
+    # Layers 0 and 2 slide over 4 tokens (Gemma 2 alternates); scores and logits capped at values
+    # the random weights exceed; tied, as llama.cpp always has it.
+    "gemma2": (transformers.Gemma2Config, dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        attn_logit_softcapping=3.0, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        rope_parameters=_rope())),
+    # Two sliding layers rotating with base 100, then a global one with linear scaling; untied.
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": _rope(theta=100.0),
+                         "full_attention": _rope("linear", theta=10000.0, factor=4.0)})),
 }
 
 # The same llama3 model, its config.json rewritten with the pre-transformers-5 keys.
 OLD_KEYS = "llama3_old_keys"
+# The same Gemma 3 model, its config.json with the keys of configs published before transformers 5
+# (rope_theta, rope_scaling and rope_local_base_freq; no layer_types but sliding_window_pattern).
+GEMMA3_OLD_KEYS = "gemma3_old_keys"
+_REWRITTEN = {OLD_KEYS: "llama3", GEMMA3_OLD_KEYS: "gemma3"}
 
 
 def hf_config(name: str) -> transformers.PretrainedConfig:
-    cls, overrides = VARIANTS["llama3" if name == OLD_KEYS else name]
+    cls, overrides = VARIANTS[_REWRITTEN.get(name, name)]
     return cls(**{**_BASE, **overrides})
 
 
@@ -86,16 +103,21 @@ def _randomize(model: torch.nn.Module, seed: int):
                 p.copy_(noise * (1.5 / math.sqrt(p.shape[1])))
 
 
-def build(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    """Build variant `name` with random weights, save it to `directory`, return the torch model."""
+def build(name: str, directory: Path, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Build variant `name` (its config changed in `overrides`) with random weights, save it to
+    `directory`, return the torch model."""
     torch.manual_seed(seed)
     config = hf_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _randomize(model, seed)
     model.save_pretrained(directory)
     if name == OLD_KEYS:
         write_old_rope_keys(directory)
+    if name == GEMMA3_OLD_KEYS:
+        write_old_gemma3_keys(directory)
     return model
 
 
@@ -107,6 +129,22 @@ def write_old_rope_keys(directory: Path):
     c["rope_theta"] = rope.pop("rope_theta")
     rope["type"] = rope.pop("rope_type")  # the oldest spelling of the key
     c["rope_scaling"] = rope
+    path.write_text(json.dumps(c, indent=2))
+
+
+def write_old_gemma3_keys(directory: Path):
+    """Rewrite a Gemma 3 config.json as configs before transformers 5 were: the global rope as
+    rope_theta + rope_scaling, the local base as rope_local_base_freq, the sliding layers as
+    sliding_window_pattern (every 3rd layer global, as the model's layer_types have it)."""
+    path = Path(directory) / "config.json"
+    c = json.loads(path.read_text())
+    rope = c.pop("rope_parameters")
+    full = dict(rope["full_attention"])
+    c["rope_theta"] = full.pop("rope_theta")
+    c["rope_scaling"] = full
+    c["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    assert c.pop("layer_types") == ["sliding_attention", "sliding_attention", "full_attention"]
+    c["sliding_window_pattern"] = 3
     path.write_text(json.dumps(c, indent=2))
 
 

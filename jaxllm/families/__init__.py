@@ -4,8 +4,9 @@ family outside the model itself. A family says how its Hugging Face config.json 
 (model/params.py names them by role: "layers.3.q", "layers.3.experts.5.gate"), and how a GGUF
 file of its architecture reads. The model sees only `ModelConfig`'s family-neutral switches.
 
-Adding a family (Gemma): its switches in model/config.py, a `Family` here with its HF keys and
-tensor names, its model_type in `SUPPORTED_MODEL_TYPES`.
+Adding a family: its switches in model/config.py, a `Family` here with its HF keys and tensor
+names (a module of its own where it has many, as families/gemma.py), its model_type in
+`SUPPORTED_MODEL_TYPES`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from jaxllm.families import hf_config
+from jaxllm.families import gemma, hf_config
 from jaxllm.model.config import SUPPORTED_MODEL_TYPES, ModelConfig, read_json_object
 from jaxllm.model.params import ParamSpec
 
@@ -66,6 +67,14 @@ class Family:
     head_dim_keys: tuple[str, ...] = ("attention.key_length",)
     gguf_moe: Callable[[dict, str, int, str], dict] | None = None  # expert keys of the config.json
     gguf_split_experts: bool = False  # early files wrote one tensor per expert (blk.{i}.ffn_gate.{e})
+    # A family with switches of its own (Gemma): defaults for absent config keys, its switches
+    # (ModelConfig fields, given the config, layer count and the rope reader), their config.json
+    # keys (given the rope writer), and those keys from a GGUF file's metadata
+    # (meta, architecture, the config so far, path).
+    prepare: Callable[[dict], dict] | None = None
+    read_extra: Callable[[dict, int, Callable], dict] | None = None
+    write_extra: Callable[[ModelConfig, Callable], dict] | None = None
+    gguf_extra: Callable[[dict, str, dict, object], dict] | None = None
 
     def tensor_name(self, key: str) -> str | None:
         """The HF name of a spec-table source key ("embed", "layers.3.q", "layers.3.experts.5.up");
@@ -86,6 +95,8 @@ class Family:
 
 _LLAMA_LIKE = dict(window_always=True, bias_sets_o=True, permute_qk=True,
                    head_dim_keys=("rope.dimension_count", "attention.key_length"))
+_GEMMA = dict(window_always=True, bias_sets_o=True, prepare=gemma.with_defaults, read_extra=gemma.read,
+              write_extra=gemma.write, gguf_extra=gemma.gguf_config)
 FAMILIES = {f.model_type: f for f in (
     Family("llama", ("LlamaForCausalLM",), LLAMA_NAMES, **_LLAMA_LIKE),
     Family("mistral", ("MistralForCausalLM",), LLAMA_NAMES, **_LLAMA_LIKE),
@@ -96,12 +107,15 @@ FAMILIES = {f.model_type: f for f in (
            write_moe=hf_config.mixtral_moe_keys, gguf_moe=hf_config.mixtral_gguf_moe, gguf_split_experts=True),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), QWEN_MOE_NAMES, qk_norm=True, read_moe=hf_config.qwen3_moe,
            write_moe=hf_config.qwen3_moe_keys, gguf_moe=hf_config.qwen3_gguf_moe),
+    Family("gemma2", ("Gemma2ForCausalLM",), gemma.names(LLAMA_NAMES), **_GEMMA),
+    Family("gemma3_text", ("Gemma3ForCausalLM",), gemma.names(LLAMA_NAMES), qk_norm=True, **_GEMMA),
 )}
 assert tuple(FAMILIES) == SUPPORTED_MODEL_TYPES, "ModelConfig refuses a model_type with no family"
 
 # GGUF general.architecture -> family; a llama file with experts is Mixtral (llama.cpp converts
 # Mixtral with the llama architecture).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "gemma2": "gemma2", "gemma3": "gemma3_text"}
 GGUF_WITH_EXPERTS = {"llama": "mixtral"}
 
 
@@ -110,7 +124,8 @@ def family(model_type, architectures=...) -> Family:
     if model_type not in FAMILIES:
         archs = "" if architectures is ... else f" (architectures {architectures})"
         raise ValueError(f"unknown architecture: model_type {model_type!r}{archs}; "
-                         f"supported model types: {', '.join(FAMILIES)}")
+                         f"supported model types: {', '.join(FAMILIES)} "
+                         f"(and the text model of {', '.join(gemma.WRAPPERS)})")
     return FAMILIES[model_type]
 
 
@@ -141,7 +156,27 @@ def config_from_hf(source: str | Path | dict) -> ModelConfig:
 
 
 def _from_dict(c: dict) -> ModelConfig:
-    return hf_config.from_hf_dict(c, family(c.get("model_type"), c.get("architectures")))
+    architectures = c.get("architectures")
+    c = gemma.unwrap(c)  # a multimodal config: its text model
+    return hf_config.from_hf_dict(c, family(c.get("model_type"), architectures))
+
+
+def text_tensor_names(config: dict, names) -> dict[str, str] | None:
+    """For a multimodal checkpoint (a `gemma3` config.json), the text model's tensors: HF text-model
+    name -> the name stored, the vision tower's and projector's left out; None for any other
+    checkpoint. The Hub's checkpoints (and save_pretrained's) store `language_model.model.layers...`,
+    transformers 5's modules name them `model.language_model.layers...`; an untied lm_head is
+    `language_model.lm_head` or `lm_head`."""
+    if config.get("model_type") not in gemma.WRAPPERS:
+        return None
+    out = {}
+    for name in names:
+        for stored, text in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                             ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+            if name.startswith(stored):
+                out[text + name[len(stored):]] = name
+                break
+    return out
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

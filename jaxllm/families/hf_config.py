@@ -55,12 +55,16 @@ def _int_list(c: dict, key: str, least: int | None = None) -> list[int]:
 
 def from_hf_dict(c: dict, family) -> ModelConfig:
     """The ModelConfig of a config.json dict of `family` (a jaxllm.families.Family)."""
+    if family.prepare:  # the family's defaults for absent keys
+        c = family.prepare(c)
     num_layers = _int(c, "num_hidden_layers", most=MAX_LAYERS)  # before any per-layer tuple is made
     num_heads = _int(c, "num_attention_heads")
     hidden = _int(c, "hidden_size")
     num_kv = _int(c, "num_key_value_heads", num_heads)
     head_dim = _int(c, "head_dim", hidden // num_heads)
-    if c.get("hidden_act", "silu") != "silu":
+    # The family's own switches (Gemma's), which may replace the ones read below
+    extra = family.read_extra(c, num_layers, _rope_from_hf) if family.read_extra else {}
+    if "activation" not in extra and c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r}: only silu is implemented")
     if _bool(c, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
@@ -95,7 +99,7 @@ def from_hf_dict(c: dict, family) -> ModelConfig:
     if len(bos) > 1 or len(pad) > 1:
         raise ValueError(f"bos_token_id and pad_token_id must be one integer each, not "
                          f"{c.get('bos_token_id')!r} and {c.get('pad_token_id')!r}")
-    return ModelConfig(
+    fields = dict(
         model_type=family.model_type,
         vocab_size=_int(c, "vocab_size"),
         hidden_size=hidden,
@@ -122,6 +126,7 @@ def from_hf_dict(c: dict, family) -> ModelConfig:
         eos_token_ids=tuple(_int_list(c, "eos_token_id")),
         pad_token_id=pad[0] if pad else None,
     )
+    return ModelConfig(**{**fields, **extra})
 
 
 def _rope_from_hf(c: dict) -> RopeConfig:
@@ -154,9 +159,8 @@ def _rope_from_hf(c: dict) -> RopeConfig:
     )
 
 
-def to_hf_dict(cfg: ModelConfig, family) -> dict:
-    """The config.json dict of `cfg`, a config of `family`."""
-    r = cfg.rope
+def _rope_to_hf(r: RopeConfig) -> dict:
+    """A rope as transformers 5's rope_parameters."""
     rope = {"rope_type": r.rope_type, "rope_theta": r.theta}
     if r.rope_type != "default":
         rope["factor"] = r.factor
@@ -168,12 +172,27 @@ def to_hf_dict(cfg: ModelConfig, family) -> dict:
         rope.update(attention_factor=r.attention_factor, beta_fast=r.beta_fast,
                     beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim,
                     truncate=r.truncate)
+    return rope
+
+
+# The switches only a family with its own reader (Gemma) sets, at their plain values.
+_PLAIN = dict(local_rope=None, norm_offset=0.0, activation="silu", post_norms=False, embed_scale=False,
+              query_pre_attn_scalar=None, attn_logit_softcap=None, final_logit_softcap=None)
+
+
+def to_hf_dict(cfg: ModelConfig, family) -> dict:
+    """The config.json dict of `cfg`, a config of `family`."""
+    r = cfg.rope
+    if family.write_extra is None:
+        set_ = [k for k, v in _PLAIN.items() if getattr(cfg, k) != v]
+        if set_:
+            raise ValueError(f"a {cfg.model_type} config.json has no {', '.join(set_)}")
     c = dict(model_type=cfg.model_type, hidden_act="silu", vocab_size=cfg.vocab_size,
              hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
              head_dim=cfg.head_dim, intermediate_size=cfg.ffn_size,
              max_position_embeddings=cfg.max_position_embeddings,
-             rms_norm_eps=cfg.rms_norm_eps, rope_theta=r.theta, rope_parameters=rope,
+             rms_norm_eps=cfg.rms_norm_eps, rope_theta=r.theta, rope_parameters=_rope_to_hf(r),
              partial_rotary_factor=r.partial_rotary_factor,
              tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id,
              eos_token_id=list(cfg.eos_token_ids), pad_token_id=cfg.pad_token_id)
@@ -191,6 +210,8 @@ def to_hf_dict(cfg: ModelConfig, family) -> dict:
                             for i in range(cfg.num_layers)]
     if family.write_moe:
         c.update(family.write_moe(cfg))
+    if family.write_extra:
+        c.update(family.write_extra(cfg, _rope_to_hf))
     return c
 
 

@@ -66,17 +66,28 @@ def _config_from_json(d: dict) -> ModelConfig:
         raise ValueError(f"checkpoint format {d.get('format')!r} is not {FORMAT}: convert it again")
     c = _fields(d.get("config"), ModelConfig, "config")
     c["rope"] = RopeConfig(**_fields(c["rope"], RopeConfig, "config.rope"))
+    if c["local_rope"] is not None:
+        c["local_rope"] = RopeConfig(**_fields(c["local_rope"], RopeConfig, "config.local_rope"))
     for key in ("sliding_layers", "moe_layers", "eos_token_ids"):
         if isinstance(c[key], list):  # anything else ModelConfig refuses by name
             c[key] = tuple(c[key])
     return ModelConfig(**c)
 
 
+# ModelConfig fields newer than FORMAT 2's first checkpoints (Gemma's): absent, they take their
+# default, so that a model converted before them still loads.
+_ADDED_FIELDS = ("local_rope", "norm_offset", "activation", "post_norms", "embed_scale",
+                 "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
+
+
 def _fields(d, cls, where: str) -> dict:
     """`d` as the keyword arguments of dataclass `cls`: an object with exactly its fields."""
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be an object, not {d!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if cls is ModelConfig:
+        d = {**{name: fields[name].default for name in _ADDED_FIELDS}, **d}
+    names = set(fields)
     missing, extra = sorted(names - d.keys()), sorted(d.keys() - names)
     if missing or extra:
         raise ValueError(f"{where} lacks keys {missing} / has unknown keys {extra}: convert it again")

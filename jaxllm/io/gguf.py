@@ -7,8 +7,9 @@ What this module owns:
 - `read_gguf(path)`: `(hf_config, tensors)` — a dict with the keys a `config.json` of the same model
   would have, and float32 numpy arrays keyed by the names a Hugging Face checkpoint uses
   (`model.layers.{i}.self_attn.q_proj.weight`, [out, in]). The layout quirks llama.cpp's converter
-  introduces (the Q/K row permutation of llama files, llama3 RoPE scaling baked into a tensor)
-  are undone here, so everything downstream sees a plain HF checkpoint.
+  introduces (the Q/K row permutation of llama files, llama3 RoPE scaling baked into a tensor,
+  Gemma's norm weights stored as 1 + w) are undone here, so everything downstream sees a plain
+  HF checkpoint.
 - `gguf_source(path, dtype)`: `(hf_config, source)`, every check made up front (architecture,
   tensor set and shapes, each tensor's type), the tensors then read as an HF checkpoint is
   (`io.reading.TensorSource`), dequantized a block of rows at a time straight into `dtype`.
@@ -273,7 +274,9 @@ _REQUIRED = ("embedding_length", "block_count", "attention.head_count")
 _GLOBAL_ROLES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_ROLES = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
                 "attn_output": "o", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "ffn_gate": "gate",
-                "ffn_up": "up", "ffn_down": "down"}
+                "ffn_up": "up", "ffn_down": "down",
+                # Gemma: the norms of the attention's and the MLP's outputs (ffn_norm is its pre-norm)
+                "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm"}
 # MoE leaves: the router, and experts stacked on a leading E axis that HF stores one per expert
 _MOE_ROLES = {"ffn_gate_inp": "router", "ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, one factor per frequency (config, not a weight)
@@ -350,6 +353,8 @@ def gguf_to_hf_config(path_or_header) -> dict:
         (meta[prefix + k] for k in family.head_dim_keys if prefix + k in meta),
         config["hidden_size"] // config["num_attention_heads"])
     _moe_config(header, family, config)
+    if family.gguf_extra:  # Gemma's windows, soft caps, local rope and attention scale
+        config.update(family.gguf_extra(meta, header.architecture, config, header.path))
     config["tie_word_embeddings"] = "output.weight" not in header.tensors
     config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -488,6 +493,7 @@ class _Part:
     info: TensorInfo
     expert: int | None  # its index in a stacked [E, out, in] tensor
     heads: int | None  # llama.cpp permuted its rows per head (Q/K of llama files): the head count
+    shift: float = 0.0  # added to the file's values: Gemma's norms are stored as (1 + w)
 
 
 # Values dequantized at a time: each reading thread holds about this many float32 values (and
@@ -543,6 +549,8 @@ class GGUFSource:
             if p.heads is not None:
                 w = _unpermute_rows(w, p.heads)
             w = w[start:start + count]
+            if p.shift:
+                w = w + np.float32(p.shift)
         else:
             cols, rows = shape[-1], math.prod(shape[:-1])
             row_bytes = p.info.nbytes // math.prod(p.info.shape[:-1])
@@ -603,6 +611,7 @@ def gguf_source(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, GGUFSo
     a file this returns for loads; the tensors are read when `source` is."""
     header = read_gguf_header(path)
     config = gguf_to_hf_config(header)
+    cfg = families.config_from_hf(config)  # checked in gguf_to_hf_config
     family = _family(header)
     num_experts = config.get("num_local_experts", config.get("num_experts", 0))
     layers = config["num_hidden_layers"]
@@ -632,15 +641,16 @@ def gguf_source(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, GGUFSo
                                  f"expected {heads} heads x head_dim {config['head_dim']} (even)")
         else:
             heads = None
+        # llama.cpp stores a (1 + w) norm's weight as 1 + w (Gemma): HF's w is the file's less 1
+        shift = -cfg.norm_offset if gguf_name.endswith("norm.weight") else 0.0
         for e, hf_name in enumerate(hf_names):
-            parts[hf_name] = _Part(info, e if len(hf_names) > 1 else None, heads)
+            parts[hf_name] = _Part(info, e if len(hf_names) > 1 else None, heads, shift)
         blocks.add(block)
     blocks.discard(None)
     if layers > len(blocks):  # found before a name is made for each block it claims
         raise ValueError(f"{header.path}: GGUF metadata gives block_count={layers}, but the file holds "
                          f"tensors of {len(blocks)} blocks")
     # Every tensor of the table but the optional biases (Qwen2's q/k/v biases are not optional)
-    cfg = families.config_from_hf(config)  # checked in gguf_to_hf_config
     required = [family.tensor_name(key) for _, spec in named_specs(cfg) for key, _ in spec.sources
                 if not key.endswith("_bias") or family.qkv_bias and not key.endswith("o_bias")]
     missing = [name for name in required if name not in parts]

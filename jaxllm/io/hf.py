@@ -178,8 +178,31 @@ def _extents(f: Path, number: int, fd: int) -> dict[str, tuple[Path, int, int, s
             for name, t in header.items() if name != "__metadata__"}
 
 
-def read_checkpoint(path: str | Path) -> tuple[ModelConfig, SafetensorsReader]:
+class RenamedSource(contextlib.AbstractContextManager):
+    """Some of a source's tensors under other names (`names`: the name given -> the name stored):
+    the text model of a multimodal checkpoint, its vision tower left out."""
+
+    def __init__(self, source, names: dict[str, str]):
+        self.source, self._stored = source, names
+        self.shapes = {name: source.shapes[stored] for name, stored in names.items()}
+
+    def dtype(self, name: str) -> np.dtype:
+        return self.source.dtype(self._stored[name])
+
+    def position(self, name: str) -> tuple[int, int]:
+        return self.source.position(self._stored[name])
+
+    def read_into(self, name: str, view: np.ndarray) -> None:
+        self.source.read_into(self._stored[name], view)
+
+    def __exit__(self, *exc):
+        return self.source.__exit__(*exc)
+
+
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, SafetensorsReader | RenamedSource]:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path} is not a checkpoint directory")
-    return read_config(path), SafetensorsReader(safetensor_files(path))
+    cfg, reader = read_config(path), SafetensorsReader(safetensor_files(path))
+    names = families.text_tensor_names(read_json_object(path / "config.json"), reader.shapes)
+    return cfg, reader if names is None else RenamedSource(reader, names)

@@ -12,11 +12,17 @@ from jaxllm.layers.quant import QuantizedWeight
 from jaxllm.runtime import gpu_generation
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
     """RMSNorm over the last axis, as transformers: statistics in float32, eps inside the rsqrt,
-    the normalized value cast back to the input dtype before the weight multiplies it."""
+    the normalized value cast back to the input dtype before the weight multiplies it.
+
+    With an `offset` (Gemma's 1) the scale is (offset + weight), and, as Gemma's RMSNorm does, the
+    product is taken in float32 and only then cast to the input dtype.
+    """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
@@ -88,20 +94,25 @@ def visible_mask(q_slots_BT, start_B, num_slots: int, window: int | None):
     return causal_BTS & (s_S >= start_B[:, None, None])
 
 
-def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=None):
+def attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, k_scale_BKS=None, v_scale_BKS=None, *,
+              scale: float | None = None, softcap: float | None = None):
     """Grouped-query attention of T queries over S keys; softmax in float32.
 
     A query with no visible key (a padding position) gets uniform weights instead of NaN: its
     output is never read, and masking with the dtype's minimum rather than -inf keeps it finite.
     An int8 cache passes its per-slot scales: a slot's scale is constant along H, so it multiplies
     the scores (keys) and the probabilities (values) instead of a dequantized copy of the cache.
+    `scale` multiplies the scores (default H^-1/2); `softcap` c then caps them to tanh(s / c) * c
+    (Gemma 2), before the mask.
     """
     dtype = q_BTKGH.dtype
-    scale = q_BTKGH.shape[-1] ** -0.5
+    scale = q_BTKGH.shape[-1] ** -0.5 if scale is None else scale
     scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH.astype(dtype),
                               preferred_element_type=jnp.float32) * scale
     if k_scale_BKS is not None:
         scores_BKGTS = scores_BKGTS * k_scale_BKS[:, :, None, None, :]
+    if softcap is not None:
+        scores_BKGTS = jnp.tanh(scores_BKGTS / softcap) * softcap
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
     if v_scale_BKS is not None:
@@ -123,24 +134,28 @@ def uses_cudnn_attention(dtype, head_dim: int) -> bool:
             and head_dim % 8 == 0 and head_dim <= 128)
 
 
-def causal_attention(q_BTNH, k_BTKH, v_BTKH, window: int | None = None):
+def causal_attention(q_BTNH, k_BTKH, v_BTKH, window: int | None = None, *,
+                     scale: float | None = None, softcap: float | None = None):
     """Causal self-attention of T tokens among themselves (query t sees keys 0..t, the last
     `window` of them if given), for rows that start at index 0: any padding comes after a row's
-    tokens, where causality already hides it. [B, T, N, H] out.
+    tokens, where causality already hides it. [B, T, N, H] out. `scale` and `softcap` as in
+    `attention`.
 
     On a GPU this is cuDNN's flash attention, which never forms the [T, T] scores (the 8B
-    shape's 2048-token prefill spent more time in masked XLA attention than in its matmuls).
+    shape's 2048-token prefill spent more time in masked XLA attention than in its matmuls);
+    cuDNN has no soft cap, so capped scores (Gemma 2) take the XLA form.
     """
-    if uses_cudnn_attention(q_BTNH.dtype, q_BTNH.shape[-1]):
+    if softcap is None and uses_cudnn_attention(q_BTNH.dtype, q_BTNH.shape[-1]):
         return jax.nn.dot_product_attention(
-            q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn",
+            q_BTNH, k_BTKH, v_BTKH, scale=scale, is_causal=True, implementation="cudnn",
             local_window_size=None if window is None else (window - 1, 0))
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
     t_T = jnp.arange(T, dtype=jnp.int32)
     mask_1TS = visible_mask(t_T[None], jnp.zeros((1,), jnp.int32), T, window)
     out_BTKGH = attention(q_BTNH.reshape(B, T, K, N // K, H), k_BTKH.transpose(0, 2, 1, 3),
-                          v_BTKH.transpose(0, 2, 1, 3), jnp.broadcast_to(mask_1TS, (B, T, T)))
+                          v_BTKH.transpose(0, 2, 1, 3), jnp.broadcast_to(mask_1TS, (B, T, T)),
+                          scale=scale, softcap=softcap)
     return out_BTKGH.reshape(B, T, N, H)
 
 
@@ -153,10 +168,17 @@ def quantize_kv(x_BKTH):
     return q_BKTH, scale_BKT
 
 
-def mlp(x_BTD, w_gate_up_JFD, w_down_DF):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one fused matrix (J = 2)."""
+# The gate's activation by `ModelConfig.activation`: SwiGLU's silu, GeGLU's GELU (Gemma's
+# gelu_pytorch_tanh is the tanh approximation).
+ACTIVATION = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+              "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
+def mlp(x_BTD, w_gate_up_JFD, w_down_DF, activation: str = "silu"):
+    """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU by default; gate and up are one fused matrix
+    (J = 2)."""
     gate_up_BTJF = project(x_BTD, w_gate_up_JFD)
-    hidden_BTF = jax.nn.silu(gate_up_BTJF[:, :, 0]) * gate_up_BTJF[:, :, 1]
+    hidden_BTF = ACTIVATION[activation](gate_up_BTJF[:, :, 0]) * gate_up_BTJF[:, :, 1]
     return project(hidden_BTF, w_down_DF)
 
 

@@ -17,12 +17,14 @@ import numpy as np
 from jaxllm.checks import FLOAT32_MAX, INT32_MAX, finite, flag, whole
 
 # The model types jaxllm.families knows (one Family each). Anything else is refused by name.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
 # Far past any published model (126 layers, 512 experts): a damaged count is refused before a
 # name or flag is made for each layer or expert, which would take minutes or all the memory.
 MAX_LAYERS = 4096
 MAX_EXPERTS = 4096
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# The MLP gate's activation: SwiGLU's silu, or GeGLU's GELU (Gemma: tanh-approximated).
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 # Tokens that end a turn in the chat formats in use; one counts as a stop token when the model's
 # template writes it (llama.cpp keeps a similar list for its end-of-generation set).
 END_OF_TURN_TOKENS = (
@@ -104,6 +106,15 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over H of each q and k head, before RoPE
     sliding_window: int | None = None  # a key is seen while q_pos - k_pos < sliding_window
     sliding_layers: tuple[bool, ...] = ()  # per layer: does the window apply (empty: no layer)
+    local_rope: RopeConfig | None = None  # the rope of the sliding layers where it differs (Gemma 3)
+    # Gemma 2/3 (jaxllm.families.gemma reads them from config.json)
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w), 0 or 1 (Gemma), in float32
+    activation: str = "silu"  # of the MLP's gate (one of ACTIVATIONS)
+    post_norms: bool = False  # the attention's and the MLP's outputs RMSNormed before their residual add
+    embed_scale: bool = False  # embeddings times sqrt(D), that factor rounded to the dtype first
+    query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (None: head_dim's)
+    attn_logit_softcap: float | None = None  # attention scores s -> tanh(s / c) * c
+    final_logit_softcap: float | None = None  # logits the same
     # Mixture of experts (Mixtral, Qwen3-MoE); num_experts == 0 means a dense model.
     num_experts: int = 0  # E
     experts_per_token: int = 0  # A
@@ -128,8 +139,17 @@ class ModelConfig:
         _fix(self, "rms_norm_eps", finite("rms_norm_eps", self.rms_norm_eps, least=0.0, most=FLOAT32_MAX))
         if self.sliding_window is not None:
             _fix(self, "sliding_window", whole("sliding_window", self.sliding_window, 1))
-        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "norm_topk_prob"):
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "norm_topk_prob", "post_norms",
+                     "embed_scale"):
             flag(name, getattr(self, name))
+        _fix(self, "norm_offset", finite("norm_offset", self.norm_offset))
+        if self.norm_offset not in (0.0, 1.0):  # a weight's neutral value is then 1 or 0
+            raise ValueError(f"norm_offset must be 0 or 1, not {self.norm_offset}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r}; supported: {', '.join(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, name) is not None:
+                _fix(self, name, finite(name, getattr(self, name), above=0.0, most=FLOAT32_MAX))
         for name in ("sliding_layers", "moe_layers"):  # longer is fine (a preset cut to fewer layers)
             flags = getattr(self, name)
             if not (isinstance(flags, tuple) and all(isinstance(f, bool) for f in flags)
@@ -144,9 +164,12 @@ class ModelConfig:
         _fix(self, "eos_token_ids", tuple(whole("eos_token_ids", e) for e in self.eos_token_ids))
         if not isinstance(self.rope, RopeConfig):
             raise ValueError(f"rope must be a RopeConfig, not {self.rope!r}")
-        if int(self.head_dim * self.rope.partial_rotary_factor) < 2:
-            raise ValueError(f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim "
-                             f"{self.head_dim} leaves no pair of channels to rotate")
+        if self.local_rope is not None and not isinstance(self.local_rope, RopeConfig):
+            raise ValueError(f"local_rope must be a RopeConfig or None, not {self.local_rope!r}")
+        for rope in self.ropes:
+            if int(self.head_dim * rope.partial_rotary_factor) < 2:
+                raise ValueError(f"partial_rotary_factor {rope.partial_rotary_factor} of head_dim "
+                                 f"{self.head_dim} leaves no pair of channels to rotate")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -154,7 +177,8 @@ class ModelConfig:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.experts_per_token} must be between 1 and "
                              f"the expert count {self.num_experts}")
-        _check_rope(self)
+        for rope in self.ropes:
+            _check_rope(self, rope)
 
     @property
     def q_per_kv(self) -> int:  # G
@@ -173,6 +197,21 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and bool(self.moe_layers) and self.moe_layers[layer]
 
+    def rope_of(self, layer: int) -> RopeConfig:
+        """The rope of a layer: `local_rope` for a sliding one where the model has one."""
+        local = self.local_rope is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
+        return self.local_rope if local else self.rope
+
+    @property
+    def ropes(self) -> tuple[RopeConfig, ...]:
+        """The model's distinct ropes: one, or the global and the local one."""
+        return (self.rope,) if self.local_rope in (None, self.rope) else (self.rope, self.local_rope)
+
+    @property
+    def attn_scale(self) -> float:
+        """What the attention scores are multiplied by, as transformers computes it (a Python float)."""
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+
 
 def read_json_object(path: Path) -> dict:
     """A JSON file whose top level is an object, else a ValueError naming the file."""
@@ -189,14 +228,16 @@ def read_json_object(path: Path) -> dict:
     return d
 
 
-def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [H_rot/2] (float32) and the cos/sin scale, as transformers computes them.
+def rope_frequencies(config: ModelConfig, seq_len: int | None = None,
+                     rope: RopeConfig | None = None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [H_rot/2] (float32) and the cos/sin scale, as transformers computes them,
+    of `rope` (default: the config's global one; `config.rope_of(layer)` gives a layer's).
 
     `seq_len` matters only for "dynamic" NTK scaling, which stretches the base once the sequence
     outgrows max_position_embeddings. The model passes none: jaxllm's sequences stay within the
     context, where transformers uses the plain base too.
     """
-    r = config.rope
+    r = config.rope if rope is None else rope
     dim = int(config.head_dim * r.partial_rotary_factor)
     # float32 throughout, like torch: angles built in lower precision collapse at long positions.
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -223,14 +264,13 @@ def rope_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[n
     return inv_freq.astype(np.float32), float(scale)
 
 
-def _check_rope(config: ModelConfig) -> None:
+def _check_rope(config: ModelConfig, r: RopeConfig) -> None:
     """The rope parameters must give float32 frequencies and a scale that are finite numbers: each
     is checked alone, but together (theta 1e-50, a factor of 1e-50, attention_factor 1e39) they
     overflow, and the logits would be NaN."""
-    r = config.rope
     try:
         with np.errstate(all="ignore"):
-            inv_freq, scale = rope_frequencies(config)
+            inv_freq, scale = rope_frequencies(config, rope=r)
             finite = bool(np.isfinite(inv_freq).all()) and math.isfinite(scale) and scale > 0 \
                 and math.isfinite(float(np.float32(scale)))
     except (ArithmeticError, ValueError) as e:  # math.log of 0, a division by zero, an overflow

@@ -44,8 +44,10 @@ class Layer:
     w_down: jax.Array | None = None  # [D, F]
     bqkv: jax.Array | None = None  # [K, G+2, H] (Qwen2, Llama attention_bias)
     bo: jax.Array | None = None  # [D]
-    q_norm: jax.Array | None = None  # [H] (Qwen3)
+    q_norm: jax.Array | None = None  # [H] (Qwen3, Gemma 3)
     k_norm: jax.Array | None = None  # [H]
+    post_attn_norm: jax.Array | None = None  # [D] (Gemma: the attention's output, normed)
+    post_mlp_norm: jax.Array | None = None  # [D] (Gemma: the MLP's output, normed)
     router: jax.Array | None = None  # [E, D] (MoE)
     experts_gate_up: jax.Array | None = None  # [E, 2, F, D]
     experts_down: jax.Array | None = None  # [E, D, F]
@@ -95,18 +97,19 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     K, G, H, D = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.hidden_size
     N, F = cfg.num_heads, cfg.ffn_size
     p = f"layers.{i}."
+    norm = _norm_init(cfg)
 
     def qkv_parts(out):  # [K, G+2, H, (D)]: q [N*H, (D)] as [K, G, H], then k and v [K*H, (D)]
         return out[:, :G], out[:, G:G + 1], out[:, G + 1:]
     specs = {
-        "attn_norm": ParamSpec((D,), (None,), "ones", ((p + "attn_norm", (D,)),), _whole),
+        "attn_norm": ParamSpec((D,), (None,), norm, ((p + "attn_norm", (D,)),), _whole),
         "wqkv": ParamSpec(
             (K, G + 2, H, D), ("heads_kv", None, None, None), "normal",
             ((p + "q", (N * H, D)), (p + "k", (K * H, D)), (p + "v", (K * H, D))), qkv_parts),
         "wo": ParamSpec((D, K, G, H), (None, "heads_kv", None, None), "normal",
                         ((p + "o", (D, N * H)),),
                         _whole),
-        "mlp_norm": ParamSpec((D,), (None,), "ones",
+        "mlp_norm": ParamSpec((D,), (None,), norm,
                               ((p + "mlp_norm", (D,)),), _whole),
     }
     if cfg.qkv_bias:
@@ -116,8 +119,11 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     if cfg.o_bias:
         specs["bo"] = ParamSpec((D,), (None,), "zeros", ((p + "o_bias", (D,)),), _whole)
     if cfg.qk_norm:
-        specs["q_norm"] = ParamSpec((H,), (None,), "ones", ((p + "q_norm", (H,)),), _whole)
-        specs["k_norm"] = ParamSpec((H,), (None,), "ones", ((p + "k_norm", (H,)),), _whole)
+        specs["q_norm"] = ParamSpec((H,), (None,), norm, ((p + "q_norm", (H,)),), _whole)
+        specs["k_norm"] = ParamSpec((H,), (None,), norm, ((p + "k_norm", (H,)),), _whole)
+    if cfg.post_norms:
+        for name in ("post_attn_norm", "post_mlp_norm"):
+            specs[name] = ParamSpec((D,), (None,), norm, ((p + name, (D,)),), _whole)
     if cfg.is_moe(i):
         specs.update(moe_specs(cfg, i))
     else:
@@ -147,12 +153,17 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     }
 
 
+def _norm_init(cfg: ModelConfig) -> str:
+    """A norm weight's neutral value: ones, or zeros where the norm scales by (1 + w) (Gemma)."""
+    return "zeros" if cfg.norm_offset else "ones"
+
+
 def top_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     V, D = cfg.vocab_size, cfg.hidden_size
     specs = {
         "embed": ParamSpec((V, D), ("vocab", None), "normal", (("embed", (V, D)),),
                            _whole),
-        "final_norm": ParamSpec((D,), (None,), "ones", (("final_norm", (D,)),), _whole),
+        "final_norm": ParamSpec((D,), (None,), _norm_init(cfg), (("final_norm", (D,)),), _whole),
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((V, D), ("vocab", None), "normal", (("lm_head", (V, D)),),

@@ -40,7 +40,7 @@ class LayerPlan:
     cfg: ModelConfig
     window: int | None  # the sliding window, or None
     moe: bool
-    rope_scale: float
+    rope_scale: float  # the cos/sin scale of the layer's rope (Gemma 3's local layers have their own)
     axis: str | None  # the tensor-parallel axis inside shard_map
     projection: Projection  # qkv, o, and (with ffn_kernel) gate/up and down
     add_norm: str | None  # mode of the residual add + norm pairs (None: XLA's add, norm by the consumer)
@@ -71,14 +71,22 @@ class StepPlan:
 
 
 def fused_paths_allowed(cfg: ModelConfig) -> bool:
-    """The one place where a model feature turns the fused kernels off. The kernels fold a plain
-    RMSNorm (x * w), SwiGLU and unscaled logits; a family with a (1 + w) norm, GeGLU, norms after
-    the attention or the MLP, or soft-capped logits (Gemma 2/3) is declared here, so that it takes
-    XLA's forms of `layers` until the kernels learn the feature."""
-    return (getattr(cfg, "norm_offset", 0.0) == 0.0 and getattr(cfg, "activation", "silu") == "silu"
-            and not getattr(cfg, "post_norms", False)
-            and getattr(cfg, "final_logit_softcap", None) is None
-            and getattr(cfg, "attn_logit_softcap", None) is None)
+    """The one place where a model feature turns the fused block kernels off (projections, add+norm,
+    routing). They fold a plain RMSNorm (x * w) into their products, apply SwiGLU and add the
+    residual straight after o and down; a model with a (1 + w) norm, GeGLU, or norms after the
+    attention or the MLP (Gemma 2/3) is declared here, so that it takes XLA's forms of `layers`
+    until the kernels learn the feature. (The final logits' soft cap is applied to the lm_head's
+    output whichever path made it, and the embedding scale to the lookup: neither is a kernel's.)"""
+    return cfg.norm_offset == 0.0 and cfg.activation == "silu" and not cfg.post_norms
+
+
+def decode_attention_allowed(cfg: ModelConfig) -> bool:
+    """Whether the model's attention is one the decode-attention kernel computes: scores scaled by
+    H^-1/2 and not soft-capped, q/k norms (if any) plain, and one rope, whose table
+    (`transformer.rotation_table`) it reads. Gemma 2 caps its scores, Gemma 3 has a local and a
+    global rope and (1 + w) q/k norms: both take XLA's attention."""
+    return (cfg.attn_scale == cfg.head_dim ** -0.5 and cfg.attn_logit_softcap is None
+            and len(cfg.ropes) == 1 and cfg.norm_offset == 0.0)
 
 
 # --- the rules, one a kernel family (figures: docs/decisions/)
@@ -210,11 +218,12 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     kernel (None: XLA's attention)."""
     t = tuning or current()
     cfg, B, T = params.config, rows, tokens_per_row
-    inv_freq, rope_scale = rope_frequencies(cfg)
+    inv_freq, _ = rope_frequencies(cfg)
+    rope_scale = {rope: rope_frequencies(cfg, rope=rope)[1] for rope in cfg.ropes}
     fusable = fused_paths_allowed(cfg)
     proj = decode_project_mode(params.dtype, B, t) if T == 1 and axis is None and fusable else None
     attention = None
-    if T == 1 and not fresh and cache_length is not None and fusable:
+    if T == 1 and not fresh and cache_length is not None and decode_attention_allowed(cfg):
         attention = decode_attention_mode(params.dtype, cfg.head_dim, 2 * len(inv_freq), kv_int8,
                                           cache_length, t)
     fuse = None if axis is not None or (T == 1 and proj is None) or not fusable else \
@@ -233,7 +242,7 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     layers = []
     for i, layer in enumerate(params.layers):
         common = dict(cfg=cfg, window=cfg.sliding_window if cfg.is_sliding(i) else None,
-                      moe=cfg.is_moe(i), rope_scale=rope_scale, axis=axis, attention=attention,
+                      moe=cfg.is_moe(i), rope_scale=rope_scale[cfg.rope_of(i)], axis=axis, attention=attention,
                       route=route)
         if rows_mode:  # every matrix through rows_project; o's output with the residual via add_norm
             layers.append(LayerPlan(

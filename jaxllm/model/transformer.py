@@ -6,6 +6,7 @@ into a `KVCache` at each row's end and return logits for the last position only.
 jitted pure function they call, for engines that keep their own bookkeeping.
 """
 
+import math
 from functools import partial
 from typing import NamedTuple
 
@@ -53,13 +54,14 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     q_BTNH = qkv_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = qkv_BTKJH[:, :, :, G], qkv_BTKJH[:, :, :, G + 1]
-    if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
-        q_BTNH = L.rms_norm(q_BTNH, layer.q_norm, cfg.rms_norm_eps)
-        k_BTKH = L.rms_norm(k_BTKH, layer.k_norm, cfg.rms_norm_eps)
+    if layer.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm before the rotation
+        q_BTNH = L.rms_norm(q_BTNH, layer.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
+        k_BTKH = L.rms_norm(k_BTKH, layer.k_norm, cfg.rms_norm_eps, cfg.norm_offset)
     q_BTNH = L.rope(q_BTNH, positions_BT, inv_freq, rope_scale)
     k_BTKH = L.rope(k_BTKH, positions_BT, inv_freq, rope_scale)
+    scores = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
     if unroll_BT is not None:
-        out_BTKGH = L.causal_attention(q_BTNH, k_BTKH, v_BTKH, window).reshape(B, T, K, G, H)
+        out_BTKGH = L.causal_attention(q_BTNH, k_BTKH, v_BTKH, window, **scores).reshape(B, T, K, G, H)
         k_BTKH, v_BTKH = (jnp.take_along_axis(x, unroll_BT[:, :, None, None], axis=1)
                           for x in (k_BTKH, v_BTKH))
     end_B = None if unroll_BT is not None else end_B  # a fresh prefill writes every row at slot 0
@@ -69,7 +71,7 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     if unroll_BT is None:
         rows = lambda a: a if a is None or a.shape[0] == B else a[:B]  # the cache's first B rows
         out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), rows(k_cache), rows(v_cache), mask_BTS,
-                                rows(k_scale), rows(v_scale))
+                                rows(k_scale), rows(v_scale), **scores)
     return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, k_scale, v_scale)
 
 
@@ -119,7 +121,7 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None, rout
                         expert_axis=axis if experts_split else None)  # moe psums expert splits itself
         partial_sum = split(layer.experts_down.shape[2], cfg.moe_ffn_size)
     else:
-        out_BTD = L.mlp(h_BTD, layer.w_gate_up, layer.w_down)
+        out_BTD = L.mlp(h_BTD, layer.w_gate_up, layer.w_down, cfg.activation)
         partial_sum = split(layer.w_down.shape[1], cfg.ffn_size)
     return jax.lax.psum(out_BTD, axis) if partial_sum else out_BTD
 
@@ -130,7 +132,8 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None, rout
 # (`decode_step` without one, a sharded step) makes it itself.
 def rotation_table(config: ModelConfig, length: int):
     """cos and sin of every position below `length` (float32 [length, 2, R], the attention factor
-    included), as `kernels.decode_attention` takes them."""
+    included), as `kernels.decode_attention` takes them: of the global rope, the one rope of every
+    model the plan gives the kernel (`plan.decode_attention_allowed`)."""
     inv_freq, rope_scale = rope_frequencies(config)
     positions_S = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)
     angles_SR = positions_S[:, None] * jnp.asarray(inv_freq)
@@ -140,7 +143,7 @@ def rotation_table(config: ModelConfig, length: int):
 class StepInputs(NamedTuple):
     """The arrays a block takes besides its layer and the residual stream, as `_hidden` makes them:
     each row's write slot `end_B`, the new tokens' positions, the layer's mask (None where the
-    attention needs none), the rotary frequencies, a fresh prefill's unrolling indices, the
+    attention needs none), the layer's rotary frequencies, a fresh prefill's unrolling indices, the
     attention kernel's (start_B, rotation table), the norm and matrix that come after the block
     (the next qkv's or the lm_head's), and (down_bounds, this layer's index) where gate/up hands
     down its output as digits."""
@@ -178,9 +181,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
     axis = plan.axis
     # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
     # where transformers leaves the base alone; the cache length (left padding, bucket slack)
-    # says nothing about how far positions go.
-    inv_freq, _ = rope_frequencies(cfg)
-    inv_freq = jnp.asarray(inv_freq)
+    # says nothing about how far positions go. Per rope: Gemma 3's local layers have their own.
+    inv_freqs = {rope: jnp.asarray(rope_frequencies(cfg, rope=rope)[0]) for rope in cfg.ropes}
     windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
     t_T = jnp.arange(T, dtype=jnp.int32)
     fused_args = None
@@ -202,6 +204,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
         masks = dict.fromkeys(windows) if plan.attention else \
             {w: L.visible_mask(q_slots_BT, start_B, cache.length, w) for w in windows}
     x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
+    if cfg.embed_scale:  # Gemma: the factor is rounded to the dtype first, as transformers does
+        x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x_BTD.dtype)
     normed_BTD = None
     head_VD = params.embed if params.lm_head is None else params.lm_head
     # What the residual stream feeds after each layer: the next layer's qkv, or after the last
@@ -216,7 +220,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
               cache.v_scale and cache.v_scale[i])
         next_norm, next_w = nexts[i]
         inputs = StepInputs(
-            end_B, positions_BT, masks[lp.window], inv_freq, unroll_BT, fused_args, next_norm,
+            end_B, positions_BT, masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT, fused_args,
+            next_norm,
             # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
             # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
             next_w if lp.prefetch[3] else None,
@@ -247,6 +252,7 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
     o's output paired with the residual by `add_norm`), none XLA's forms.
     """
     cfg, eps, how = plan.cfg, plan.cfg.rms_norm_eps, plan.projection
+    offset = cfg.norm_offset
     wo_ahead, gate_up_ahead, down_ahead, _ = plan.prefetch
     first = plan.weights_first
     fused = None if inputs.fused_args is None else \
@@ -254,7 +260,7 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
     with jax.named_scope("attention"):
         bias = None if layer.bqkv is None else layer.bqkv.reshape(-1)
         qkv_BTKJH = _normed_project(how, x_BTD, normed_BTD, layer.wqkv, layer.attn_norm, eps,
-                                    bias_N=bias, prefetch=(layer.wo,) if wo_ahead else (),
+                                    offset, bias_N=bias, prefetch=(layer.wo,) if wo_ahead else (),
                                     weights_first=first)
         heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, inputs.positions_BT, kv,
                                          inputs.end_B, inputs.mask_BTS, inputs.inv_freq,
@@ -267,6 +273,8 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
                                weights_first=first)
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, plan.axis)
+            if layer.post_attn_norm is not None:  # Gemma (whose plan takes this path, see plan.py)
+                out_BTD = L.rms_norm(out_BTD, layer.post_attn_norm, eps, offset)
         x_BTD, normed_BTD = (out_BTD, None) if plan.ffn_norm_folded else \
             _add_norm(plan.add_norm, x_BTD, out_BTD, layer.mlp_norm, eps, digits=plan.ffn_digits,
                       tuning=how.tuning)
@@ -282,8 +290,10 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
                                weights_first=first)
         else:
             if normed_BTD is None:
-                normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps)
+                normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps, offset)
             out_BTD = _ffn_block(cfg, plan.moe, layer, normed_BTD, plan.axis, plan.route, how.tuning)
+            if layer.post_mlp_norm is not None:  # Gemma
+                out_BTD = L.rms_norm(out_BTD, layer.post_mlp_norm, eps, offset)
         # next_folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
         return (out_BTD, None, kv) if plan.next_folds else \
             (*_add_norm(plan.add_norm, x_BTD, out_BTD, inputs.next_norm, eps,
@@ -305,9 +315,13 @@ def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bo
     return sum_MD.reshape(B, T, D), normed.reshape(B, T, D)
 
 
-def _normed_project(how: Projection, x_BTD, normed_BTD, w, norm_D, eps: float, **kw):
+def _normed_project(how: Projection, x_BTD, normed_BTD, w, norm_D, eps: float, offset: float = 0.0,
+                    **kw):
     """`_project` of x through norm_D against w: of normed_BTD where `kernels.add_norm` made it,
-    else with the norm folded into the projection."""
+    else with the norm folded into the projection. A (offset + w) norm (Gemma) no kernel folds:
+    XLA's norm, then the projection."""
+    if normed_BTD is None and offset:
+        normed_BTD = L.rms_norm(x_BTD, norm_D, eps, offset)
     if normed_BTD is None:
         return _project(how, x_BTD, w, norm_C=norm_D, eps=eps, **kw)
     return _project(how, normed_BTD, w, **kw)
@@ -341,16 +355,18 @@ def _project(how: Projection, x_BTC, w, *, residual=None, **kw):
 
 
 def logits(params: Params, x_BTD, head: Projection | None = None, normed_BTD=None):
-    """Final norm and output projection; float32 logits [B, T, V]. `head`: the step plan's
-    projection for the lm_head (None: XLA's); `normed_BTD`: x_BTD already through the final norm
-    (see `_hidden`)."""
-    head = head or Projection()
+    """Final norm and output projection; float32 logits [B, T, V], soft-capped where the model
+    caps them (Gemma 2). `head`: the step plan's projection for the lm_head (None: XLA's);
+    `normed_BTD`: x_BTD already through the final norm (see `_hidden`)."""
+    head, cfg = head or Projection(), params.config
     with jax.named_scope("lm_head"):
         head_VD = params.embed if params.lm_head is None else params.lm_head
-        if normed_BTD is not None:
-            return _project(head, normed_BTD, head_VD, out_dtype=jnp.float32)
-        return _project(head, x_BTD, head_VD, norm_C=params.final_norm,
-                        eps=params.config.rms_norm_eps, out_dtype=jnp.float32)
+        logits_BTV = _normed_project(head, x_BTD, normed_BTD, head_VD, params.final_norm,
+                                     cfg.rms_norm_eps, cfg.norm_offset, out_dtype=jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            c = cfg.final_logit_softcap
+            logits_BTV = jnp.tanh(logits_BTV / c) * c
+        return logits_BTV
 
 
 def _plan(params: Params, tokens_BT, cache: KVCache, axis=None, fresh: bool = False) -> StepPlan:

@@ -89,6 +89,24 @@ PRESETS: dict[str, ModelConfig] = {
         rope=RopeConfig(theta=1000000.0), qk_norm=True, num_experts=128, experts_per_token=8,
         moe_ffn_size=768, norm_topk_prob=True, moe_layers=(True,) * 48,
         bos_token_id=151643, eos_token_ids=(151645,)),
+    # google/gemma-3-1b-it: a 512-token window on 5 of every 6 layers, which rotate with base 1e4
+    # (the global ones 1e6, no scaling); one KV head of 256; (1 + w) norms, post-norms, GeGLU.
+    "gemma3-1b": ModelConfig(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, num_layers=26, num_heads=4,
+        num_kv_heads=1, head_dim=256, ffn_size=6912, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1000000.0), local_rope=RopeConfig(theta=10000.0), tie_word_embeddings=True,
+        qk_norm=True, sliding_window=512, sliding_layers=tuple((i + 1) % 6 != 0 for i in range(26)),
+        norm_offset=1.0, activation="gelu_tanh", post_norms=True, embed_scale=True,
+        query_pre_attn_scalar=256, bos_token_id=2, eos_token_ids=(1, 106), pad_token_id=0),
+    # google/gemma-2-2b-it: a 4096-token window on every other layer, scores capped at 50 and
+    # logits at 30; (1 + w) norms, post-norms, GeGLU.
+    "gemma2-2b": ModelConfig(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, num_layers=26, num_heads=8,
+        num_kv_heads=4, head_dim=256, ffn_size=9216, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0), tie_word_embeddings=True, sliding_window=4096,
+        sliding_layers=tuple(i % 2 == 0 for i in range(26)), norm_offset=1.0, activation="gelu_tanh",
+        post_norms=True, embed_scale=True, query_pre_attn_scalar=256, attn_logit_softcap=50.0,
+        final_logit_softcap=30.0, bos_token_id=2, eos_token_ids=(1, 107), pad_token_id=0),
 }
 
 

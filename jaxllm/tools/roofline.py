@@ -119,8 +119,10 @@ def analyze(cfg: ModelConfig, batch: int, context: int, tokens: int = 1, dtype="
     for i in range(cfg.num_layers):
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         qkv_out = (N + 2 * K) * H
-        # Two RMSNorms per layer (plus per-head q/k norms): weights, and x read + h written each.
-        add("norms", weight=2 * D * a + (2 * H * a if cfg.qk_norm else 0), act=2 * 2 * M * D * a)
+        # Two RMSNorms per layer, four with Gemma's post-norms (plus per-head q/k norms): weights,
+        # and x read + h written each.
+        norms = 4 if cfg.post_norms else 2
+        add("norms", weight=norms * D * a + (2 * H * a if cfg.qk_norm else 0), act=norms * 2 * M * D * a)
         add("qkv", flops=2 * M * D * qkv_out,
             weight=matrix(qkv_out, D) + (qkv_out * a if cfg.qkv_bias else 0),
             act=M * D * a + M * qkv_out * a)
