@@ -984,16 +984,16 @@ def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
 
 def test_step_plan_names_each_paths_kernels_and_is_a_static_argument(monkeypatch, tiny):
     """One host-side plan per (params, rows, tokens per row): one row takes `project`'s kernels,
-    8-32 rows the rows kernels, a prefill neither; it is hashable (a jit static argument), and
-    layers of one shape share one layer plan (they trace once)."""
+    8-32 rows the rows kernels, a prefill (past verify_tokens) neither; it is hashable (a jit
+    static argument), and layers of one shape share one layer plan (they trace once)."""
     params = tiny("llama").params
     tune(monkeypatch, decode_project="interpret", rows_project="interpret", add_norm="interpret",
          decode_attention="interpret")
-    one, rows, prefill = (plan.step_plan(params, B, T, cache_length=16) for B, T in ((1, 1), (32, 1), (2, 8)))
+    one, rows, prefill = (plan.step_plan(params, B, T, cache_length=32) for B, T in ((1, 1), (32, 1), (2, 16)))
     assert {lp.projection.family for lp in one.layers} == {"project"} and one.head.family == "project"
     assert {lp.projection.family for lp in rows.layers} == {"rows"} and rows.head.family is None
     assert {lp.projection.family for lp in prefill.layers} == {None} and prefill.attention is None
     assert one.attention == rows.attention == "interpret"
-    assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=16)) and one != rows
+    assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=32)) and one != rows
     assert len(set(one.layers[:-1])) == 1  # the last layer differs only in what comes next
     assert jax.jit(lambda x, p: x + len(p.layers), static_argnums=1)(1, one) == 1 + len(one.layers)
