@@ -4,6 +4,7 @@
     python scripts/bench.py --preset llama3-8b --batch 1,8,32 --prompt-len 128 --new-tokens 256
     python scripts/bench.py --preset llama3-8b --context 512,8192       # decode cost vs context
     python scripts/bench.py --preset llama3-8b --batch 32 --measure-floor  # vs its reads as one array
+    python scripts/bench.py --preset llama3-8b --verify 4,5,8   # verify steps vs a one-token step
     python scripts/bench.py --model path/to/hf_dir --measure-peaks --plot bench.png
     python scripts/bench.py --preset llama3-8b --write-checkpoint /tmp/ck   # random, HF layout
     python scripts/bench.py --model /tmp/ck --cold --load-only              # load against disk
@@ -76,6 +77,15 @@ H200 ran faster (copies, other kernels), so it is the floor of any step that rea
 clock it ran at (floor_sm_mhz); floor_tokens_per_s the rate it would give; pct_of_floor the
 measured step against it. A step of many kernels adds their boundaries to it. Null without the flag.
 source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
+
+With --verify T,..., each (batch, prompt length) instead times one-token steps and steps of T new
+tokens a row with every position's logits (a speculative verify step, `step(..., all_logits=True)`)
+on a cache warm at the prompt length: VERIFY_STEPS steps in one jitted loop compiled as a
+speculative generate's, each step's greedy tokens fed to the next and its slots rolled back, so
+every step sees the same context. One JSON line per T (1 first): the label's keys, batch,
+prompt_len, cache_len, tokens_per_row, steps, repeat, step_ms (median of --repeat loops),
+step_ms_all, ms_per_token (step_ms / T), vs_one_token (step_ms over the one-token step's),
+attention and projection (the step plan's kernel families: null is XLA's).
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ from pathlib import Path
 DATASHEET_BW = 4.8e12  # H200 HBM3e, vendor datasheet (bytes/s)
 COPY_PROBE_BYTES = 4 << 30  # ~4.3 GB: 70x the H200's L2, so the copy streams HBM
 MATMUL_PROBE_N = 8192
+VERIFY_STEPS = 64  # steps in --verify's timed loop: its launch and the host's wait amortized
 # Work that runs this long is past the power cap's onset: on an H200 an 8192-cube matmul timed in
 # its first 75 ms ran 763 TFLOP/s at 1980 MHz, timed over 0.8 s 702 at 1530 MHz (power-capped).
 # The probes and the prefill are timed after this much of the same work; generate's calls of a
@@ -218,6 +229,9 @@ def parse_args(argv):
     spec.add_argument("--prompt-file", metavar="FILE",
                       help="with --model: every row's prompt is this text through the model's tokenizer "
                            "(input-grounded prompts for --speculate ngram); --prompt-len is then ignored")
+    p.add_argument("--verify", type=_int_list, metavar="T,...",
+                   help="time one-token steps and steps of T tokens a row with every position's logits "
+                        "(speculative verify steps) on a warm cache, instead of generate")
     p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--floor-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -230,6 +244,12 @@ def parse_args(argv):
     if (args.cold or args.fresh or args.load_only) and not args.model:
         p.error("--cold, --fresh and --load-only time the loading of --model")
     args.cold = args.cold or args.fresh
+    if args.verify and (args.tp > 1 or args.draft_model or args.draft_preset or args.speculate
+                        or args.measure_floor or args.load_only or args.write_checkpoint or args.prompt_file):
+        p.error("--verify times steps on one device: it takes none of --tp, --speculate, --draft-model, "
+                "--draft-preset, --measure-floor, --load-only, --write-checkpoint, --prompt-file")
+    if args.verify and max(args.verify) > 64:
+        p.error("--verify: at most 64 tokens a row")
     if args.measure_floor and args.tp > 1:
         p.error("--measure-floor times one device's reads; it does not take --tp")
     if args.new_tokens < 2:
@@ -914,6 +934,9 @@ def main(argv=None) -> int:
     results, failed = [], False
     for prompt_len in args.prompt_len:
         for batch in args.batch:
+            if args.verify:
+                failed |= not run_verify(params, label, batch, prompt_len, args)
+                continue
             try:
                 result = run_one(params, label, batch, prompt_len, args, peaks,
                                  floors.get(_floor_name(batch, prompt_len), {}))
@@ -927,6 +950,66 @@ def main(argv=None) -> int:
     if args.plot and not plot(results, args.plot):
         failed = True
     return 1 if failed else 0
+
+
+def run_verify(params, label: dict, batch: int, prompt_len: int, args) -> bool:
+    """--verify's lines for one (batch, prompt length), printed as they come; False if one failed."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.engine.generate import compiler_options, spec_cache_length
+    from jaxllm.model.cache import init_cache
+    from jaxllm.model.plan import step_plan
+    from jaxllm.model.transformer import rotation_table, step
+
+    cfg = params.config
+    kv_dtype = "int8" if args.kv_dtype == "int8" else None
+    tokens_per_row = [1] + [t for t in dict.fromkeys(args.verify) if t != 1]
+    # As a speculative generate's cache: prompt, room for the longest step, whole 64-slot blocks.
+    cache_len = spec_cache_length(prompt_len, 0, max(tokens_per_row) - 1)
+    options = compiler_options(batch, params) or None
+    key = jax.random.key(args.seed)
+    prompt = jax.random.randint(key, (batch, prompt_len), 0, cfg.vocab_size, jnp.int32)
+    warm = jax.jit(lambda params, tokens: step(
+        params, tokens, init_cache(cfg, batch, cache_len, params.dtype, kv_dtype=kv_dtype), fresh=True)[1])
+    rotation = rotation_table(cfg, cache_len)
+
+    def loop(params, cache, tokens_BT, rotation, *, T):
+        def body(_, carry):
+            tokens_BT, cache = carry
+            logits, cache = step(params, tokens_BT, cache, rotation=rotation, all_logits=T > 1)
+            tokens_BT = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(batch, T)
+            return tokens_BT, cache.replace(end=cache.end - T)  # the same context every step
+        return jax.lax.fori_loop(0, VERIFY_STEPS, body, (tokens_BT, cache))[0]
+
+    log(f"bench: {label['preset'] or label['model']} batch {batch}, prompt {prompt_len}: steps of "
+        f"{tokens_per_row} tokens a row")
+    one_ms, ok = None, True
+    for T in tokens_per_row:
+        try:
+            cache = _wait(warm(params, prompt))
+            run = jax.jit(partial(loop, T=T), compiler_options=options)
+            tokens = jax.random.randint(jax.random.fold_in(key, T), (batch, T), 0, cfg.vocab_size, jnp.int32)
+            _wait(run(params, cache, tokens, rotation))  # compiles
+            seconds, all_s = _median_time(lambda: run(params, cache, tokens, rotation), args.repeat)
+            plan = step_plan(params, batch, T, cache_length=cache_len, kv_int8=kv_dtype is not None)
+            step_ms = seconds / VERIFY_STEPS * 1e3
+            one_ms = step_ms if T == 1 else one_ms
+            result = dict(label, dtype=str(params.dtype), quant=args.quant, kv_dtype=str(kv_dtype or params.dtype),
+                          batch=batch, prompt_len=prompt_len, cache_len=cache_len, tokens_per_row=T,
+                          steps=VERIFY_STEPS, repeat=args.repeat, step_ms=step_ms,
+                          step_ms_all=[t / VERIFY_STEPS * 1e3 for t in all_s], ms_per_token=step_ms / T,
+                          vs_one_token=one_ms and step_ms / one_ms, attention=plan.attention,
+                          projection=plan.layers[0].projection.family)
+            log(f"bench: {T} tokens a row: {step_ms:.4f} ms a step"
+                + (f", {step_ms / one_ms:.3f}x one token's" if one_ms and T > 1 else ""))
+        except Exception as e:  # one failed shape (out of memory) ends only that line
+            ok = False
+            log(f"bench: batch {batch}, prompt {prompt_len}, {T} tokens a row failed: {type(e).__name__}: {e}")
+            result = dict(label, batch=batch, prompt_len=prompt_len, tokens_per_row=T,
+                          error=f"{type(e).__name__}: {e}")
+        print(json.dumps(_finite(result), allow_nan=False, default=str), flush=True)
+    return ok
 
 
 def _finite(value):

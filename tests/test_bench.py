@@ -106,10 +106,28 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
     (["--batch", "1,0"], "integers >= 1"),
     (["--cold"], "--cold, --fresh and --load-only time the loading of --model"),
     (["--fresh"], "--cold, --fresh and --load-only time the loading of --model"),
+    (["--verify", "5", "--tp", "2"], "--verify times steps on one device"),
 ])
 def test_bench_refuses_what_it_cannot_measure(flags, message):
     proc = _bench("--preset", "tiny", *flags, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and not proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_verify_times_steps_of_each_size_against_one_token():
+    """--verify: one line per (batch, T), the one-token step first, each step's time over it."""
+    proc = _bench("--preset", "tiny", "--batch", "2", "--prompt-len", "8", "--verify", "5,1,3",
+                  "--repeat", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["tokens_per_row"] for r in runs] == [1, 5, 3]
+    for r in runs:
+        assert (r["preset"], r["batch"], r["prompt_len"], r["steps"]) == ("tiny", 2, 8, 64)
+        assert r["cache_len"] % 64 == 0 and r["cache_len"] >= 8 + 5
+        assert r["step_ms"] > 0 and len(r["step_ms_all"]) == 2
+        assert r["ms_per_token"] == pytest.approx(r["step_ms"] / r["tokens_per_row"])
+        assert r["vs_one_token"] == pytest.approx(r["step_ms"] / runs[0]["step_ms"])
+        assert r["attention"] is None and r["projection"] is None  # the CPU: XLA's forms
 
 
 @pytest.mark.slow

@@ -111,6 +111,94 @@ def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
     np.testing.assert_allclose(k, ref_k, atol=1e-6)
 
 
+def _verify_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, eps):
+    """The XLA path of model._attention_block for T new tokens per row, row b's at slots end[b]..."""
+    B, T, K, J, H = qkv.shape
+    G = J - 2
+    slots = end[:, None] + jnp.arange(T)[None, :]
+    positions = jnp.maximum(slots - start[:, None], 0)
+    q = qkv[:, :, :, :G].reshape(B, T, K * G, H)
+    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if q_norm is not None:
+        q, k = L.rms_norm(q, q_norm, eps), L.rms_norm(k, k_norm, eps)
+    q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
+    write = jax.vmap(lambda cache, x, e: jax.lax.dynamic_update_slice(cache, x.transpose(1, 0, 2), (0, e, 0)))
+    k_cache, v_cache = write(k_cache, k, end), write(v_cache, v, end)
+    mask = L.visible_mask(slots, start, k_cache.shape[2], window)
+    return L.attention(q.reshape(B, T, K, G, H), k_cache, v_cache, mask), k_cache, v_cache
+
+
+def _verify_inputs(seed, B, T, K, G, H, S, ends, qk_norm=False):
+    """`_attention_inputs` for T new tokens a row: qkv [B, T, K, G+2, H]; starts up to each end
+    (a row may hold only its new tokens)."""
+    qkv, *rest = _attention_inputs(seed, B, K, G, H, S, np.maximum(ends, 1), qk_norm)
+    rng = np.random.default_rng(seed + 1)
+    qkv = jnp.asarray(rng.normal(size=(B, T, K, G + 2, H)), jnp.float32)
+    end = jnp.asarray(np.broadcast_to(np.asarray(ends, np.int32), (B,)))
+    start = jnp.asarray(rng.integers(0, np.asarray(end) + 1), jnp.int32)
+    return (qkv, rest[0], rest[1], end, start, *rest[4:])
+
+
+_VERIFY_CASES = [  # B, K, G, H, S, T, ends, window, qk_norm
+    (3, 2, 3, 32, 48, 5, [20, 7, 43], None, False),  # ragged ends, one at the cache's end
+    (2, 1, 4, 16, 160, 9, [150, 3], 8, True),  # a window shorter than T, Qwen3's norms
+    (3, 2, 1, 16, 64, 2, [62, 0, 33], None, False),  # the last two slots; a row of new tokens only
+    (1, 2, 2, 16, 64, 4, [60], 3, False),  # the window inside the new tokens
+    (2, 2, 2, 32, 2112, 8, [2104, 1023], 100, False),  # splits of a length not a power of two
+    (4, 1, 4, 32, 512, 7, [505, 17, 128, 383], None, True),  # ends in different splits
+    (2, 2, 2, 16, 96, 3, [62, 30], 5, False),  # new tokens across the end of a 64-slot split
+    (1, 1, 8, 16, 64, 6, [40], None, False),  # G = 8: a query tile of 64 rows
+]
+
+
+def test_verify_attention_equals_xla(monkeypatch):
+    """One case in the fast tier: ragged rows, a cache end, a window, several splits."""
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 10**6)
+    _check_verify_attention(*_VERIFY_CASES[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B, K, G, H, S, T, ends, window, qk_norm", _VERIFY_CASES)
+@pytest.mark.parametrize("multiprocessors", [1, 10**6])  # large grids (long splits, or one), small
+def test_verify_attention_kernel_equals_xla_attention(monkeypatch, multiprocessors, B, K, G, H, S,
+                                                      T, ends, window, qk_norm):
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: multiprocessors)
+    _check_verify_attention(B, K, G, H, S, T, ends, window, qk_norm)
+
+
+def _check_verify_attention(B, K, G, H, S, T, ends, window, qk_norm):
+    """T new tokens a row through `verify_attention` (interpreted) against XLA's masked form in
+    float32: every query's heads, and the cache with each row's new keys and values written at
+    end .. end + T - 1, nothing else."""
+    qkv, k_cache, v_cache, end, start, q_norm, k_norm, inv_freq, rotation = _verify_inputs(
+        S + T + int(np.sum(ends)), B, T, K, G, H, S, ends, qk_norm)
+    out, k, v = kernels.verify_attention(qkv, k_cache, v_cache, end, start, rotation, window=window,
+                                         q_norm_H=q_norm, k_norm_H=k_norm, eps=1e-6, interpret=True)
+    ref_out, ref_k, ref_v = _verify_reference(qkv, k_cache, v_cache, end, start, inv_freq, window,
+                                              q_norm, k_norm, 1e-6)
+    assert out.shape == (B, T, K, G, H)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(k, ref_k, atol=1e-6)
+    np.testing.assert_array_equal(v, ref_v)
+
+
+def test_verify_attention_lowers_for_the_gpu(monkeypatch):
+    """The kernel as Pallas lowers it to Triton for a Hopper GPU (what CI can check of the GPU
+    form): the 8B shape's five tokens, and SmolLM2's nine under a window with Qwen3's norms."""
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 132)
+    for B, T, K, G, H, S, window, norm in [(1, 5, 8, 4, 128, 384, None, False),
+                                           (4, 9, 3, 3, 64, 8448, 64, True)]:
+        shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+        args = [shape(B, T, K, G + 2, H), shape(B, K, S, H), shape(B, K, S, H),
+                shape(B, dtype=jnp.int32), shape(B, dtype=jnp.int32),
+                shape(S, 2, H // 2, dtype=jnp.float32)] + [shape(H) if norm else None] * 2
+        call = jax.jit(lambda q, k, v, e, s, r, qn, kn: kernels.verify_attention(
+            q, k, v, e, s, r, window=window, q_norm_H=qn, k_norm_H=kn))
+        text = call.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "verify_attention" in text and "griddepcontrol.launch_dependents" in text
+
+
 def _interpreted(monkeypatch, switch: str):
     """Decode steps take the kernel behind `switch`, interpreted; jit caches cleared around it."""
     tune(monkeypatch, **{switch: "interpret"})
@@ -896,16 +984,16 @@ def test_rows_decode_leaves_prefills_and_int8_to_xla(monkeypatch, tiny):
 
 def test_step_plan_names_each_paths_kernels_and_is_a_static_argument(monkeypatch, tiny):
     """One host-side plan per (params, rows, tokens per row): one row takes `project`'s kernels,
-    8-32 rows the rows kernels, a prefill neither; it is hashable (a jit static argument), and
-    layers of one shape share one layer plan (they trace once)."""
+    8-32 rows the rows kernels, a prefill (past verify_tokens) neither; it is hashable (a jit
+    static argument), and layers of one shape share one layer plan (they trace once)."""
     params = tiny("llama").params
     tune(monkeypatch, decode_project="interpret", rows_project="interpret", add_norm="interpret",
          decode_attention="interpret")
-    one, rows, prefill = (plan.step_plan(params, B, T, cache_length=16) for B, T in ((1, 1), (32, 1), (2, 8)))
+    one, rows, prefill = (plan.step_plan(params, B, T, cache_length=32) for B, T in ((1, 1), (32, 1), (2, 16)))
     assert {lp.projection.family for lp in one.layers} == {"project"} and one.head.family == "project"
     assert {lp.projection.family for lp in rows.layers} == {"rows"} and rows.head.family is None
     assert {lp.projection.family for lp in prefill.layers} == {None} and prefill.attention is None
     assert one.attention == rows.attention == "interpret"
-    assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=16)) and one != rows
+    assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=32)) and one != rows
     assert len(set(one.layers[:-1])) == 1  # the last layer differs only in what comes next
     assert jax.jit(lambda x, p: x + len(p.layers), static_argnums=1)(1, one) == 1 + len(one.layers)

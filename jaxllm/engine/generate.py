@@ -357,11 +357,23 @@ _spec_cores = {options: jax.jit(spec_mod.spec_core, static_argnames=_STATIC[:4] 
                for options in _cores}
 
 
+# The decode attention kernels take caches in whole blocks of slots (a multiple of 16, 64-slot
+# blocks where the length allows: docs/decisions/decode-attention.md#tiles); prompt + steps, both
+# buckets, already are, not with a round's k + 1 added.
+SPEC_CACHE_MULTIPLE = 64
+
+
+def spec_cache_length(prompt: int, steps: int, k: int) -> int:
+    """The cache slots of a speculative run: prompt + steps + k + 1 (a round writes k + 1 slots past
+    the last kept), rounded up to SPEC_CACHE_MULTIPLE."""
+    return -(-(prompt + steps + k + 1) // SPEC_CACHE_MULTIPLE) * SPEC_CACHE_MULTIPLE
+
+
 def _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative,
                           num_speculative, synthetic) -> GenerateOutput:
     spec, aux = spec_mod.resolve(params, speculative, num_speculative, synthetic)
     tokens, start, steps, _ = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
-    cache_length = tokens.shape[1] + steps + spec.k + 1  # a round writes k+1 slots past the last kept
+    cache_length = spec_cache_length(tokens.shape[1], steps, spec.k)
     if aux is not None and isinstance(aux, Params):
         _plan(aux, ids, max_new_tokens, sampling, kv_dtype)  # the draft's context and memory
     core = _spec_cores[_choice(tokens.shape[0], params)]
@@ -382,7 +394,7 @@ def _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, 
     tokens, start, steps, _ = _plan(params, [list(ids)], max_new_tokens, sampling, kv_dtype)
     if isinstance(aux, Params):
         _plan(aux, [list(ids)], max_new_tokens, sampling, kv_dtype)
-    cache_length = tokens.shape[1] + steps + spec.k + 1
+    cache_length = spec_cache_length(tokens.shape[1], steps, spec.k)
     core = _spec_cores[_choice(1, params)]
     args = (params, aux, jnp.asarray(tokens), jnp.asarray(start), jnp.int32(max_new_tokens), _stop_array(stops),
             jax.device_put(sampling.values(1)))

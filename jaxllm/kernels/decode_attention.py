@@ -3,6 +3,7 @@ slot, and it attends over the row's live slots only, where XLA's masked form rea
 and ran nine small kernels (docs/decisions/decode-attention.md#one-kernel-a-layer)."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,22 +14,53 @@ from jaxllm.kernels.common import pl, plt, NEG, dot_t, launch_dependents, pdl_tr
 from jaxllm.kernels.tuning import KernelTuning, current
 
 QUERY_ROWS = 16  # the query tile: a KV head's G queries, padded to the smallest tensor-core dot
+# `verify_attention`'s most query rows a program (T new tokens' G queries each, both padded to
+# powers of two): its float32 sums, [rows, H], live in the program's registers.
+VERIFY_QUERY_ROWS = 128
 
 
-def supports(head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int, gpu: bool) -> bool:
+def supports(head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int, gpu: bool,
+             tokens: int = 1, q_per_kv: int = 1) -> bool:
     """The kernel's hard limits: the whole head rotated (its halves power-of-two sized, at least 8;
     on a GPU at least 16, as tensor-core dots contract 16), a cache in the model dtype (not int8),
     and a cache length that is a multiple of 16 (its blocks of slots are tensor-core operands;
-    `generate`'s bucketed lengths always are, a hand-made cache may not be)."""
+    `generate`'s bucketed lengths always are, a hand-made cache may not be). Several `tokens` a
+    row (`verify_attention`, `q_per_kv` queries a KV head each): at most VERIFY_QUERY_ROWS query
+    rows a program."""
     if kv_int8 or rotary_dim != head_dim or cache_length % 16:
         return False
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1) or head_dim < 16:
         return False
+    if tokens > 1 and math.prod(_query_tile(tokens, q_per_kv)) > VERIFY_QUERY_ROWS:
+        return False
     return not (gpu and head_dim < 32)
+
+
+def _query_tile(T: int, G: int) -> tuple[int, int]:
+    """`verify_attention`'s query tile [Tq, Gp]: T tokens and G queries each, both to powers of
+    two, at least QUERY_ROWS rows in all (the padding masked)."""
+    Gp = pow2(G)
+    return max(pow2(T), QUERY_ROWS // min(Gp, QUERY_ROWS)), Gp
 
 
 def _block(length: int, tuning: KernelTuning) -> int:
     return min(tuning.block_slots, length & -length)
+
+
+def _splits(B: int, K: int, H: int, S: int, block: int, split_slots: int,
+            tuning: KernelTuning) -> tuple[int, int]:
+    """(splits, span): how a (row, KV head)'s S cache slots divide over programs, each `span`
+    slots (a whole number of blocks). One split where the grid alone fills the GPU, half-length
+    ones where it is small (docs/decisions/decode-attention.md#one-split-where-the-grid-fills-the-gpu)."""
+    cdiv = lambda a, b: -(-a // b)
+    one_split = tuning.one_split_values
+    if one_split and B * K * H >= one_split * runtime.multiprocessors():
+        slots = S
+    else:
+        slots = split_slots if B * K * cdiv(S, split_slots) >= runtime.multiprocessors() else split_slots // 2
+    splits = cdiv(S, slots)
+    span = cdiv(cdiv(S, splits), block) * block
+    return cdiv(S, span), span
 
 
 # A decode step whose o projection takes `project`'s kernel may take the splits uncombined, the
@@ -75,17 +107,7 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
     G, R = J - 2, H // 2
     rows = max(QUERY_ROWS, pow2(G))
     block = _block(S, tuning)
-    cdiv = lambda a, b: -(-a // b)
-    # One split where the grid alone fills the GPU, half-length ones where it is small
-    # (docs/decisions/decode-attention.md#one-split-where-the-grid-fills-the-gpu).
-    one_split, split_slots = tuning.one_split_values, tuning.split_slots
-    if one_split and B * K * H >= one_split * runtime.multiprocessors():
-        slots = S
-    else:
-        slots = split_slots if B * K * cdiv(S, split_slots) >= runtime.multiprocessors() else split_slots // 2
-    splits = cdiv(S, slots)
-    span = cdiv(cdiv(S, splits), block) * block  # slots per split, a whole number of blocks
-    splits = cdiv(S, span)
+    splits, span = _splits(B, K, H, S, block, tuning.split_slots, tuning)
     qk_norm = q_norm_H is not None
     kernel = functools.partial(_decode_attention_kernel, G=G, R=R, window=window, span=span,
                                block=block, splits=splits, eps=eps, qk_norm=qk_norm, P=rows,
@@ -215,3 +237,180 @@ def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
         plt.store(acc_ref.at[pl.ds(0, P), :], acc, mask=is_query[:, None])
         plt.store(m_ref.at[pl.ds(0, P)], m, mask=is_query)
         plt.store(l_ref.at[pl.ds(0, P)], l, mask=is_query)
+
+
+# A speculative verify step (issue 60) writes k+1 <= 9 tokens a row into a warm cache: XLA's
+# prefill form read the whole cache and ran a kernel per small op, at 1.2-1.9x a decode step.
+@functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "tuning"))
+def verify_attention(qkv_BTKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
+                     window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
+                     interpret: bool = False, tuning: KernelTuning | None = None):
+    """`decode_attention` for T new tokens a row: token t of row b sits at slot end_b + t (position
+    end_b + t - start_b, clamped to 0 as XLA's), is rotated and written there, and attends over
+    the row's live cached slots (start_b .. end_b, within `window` of its own slot) and over the
+    new tokens up to itself (causal among them).
+
+    qkv [B, T, K, G+2, H] is the projection's output (per KV head G queries, k, v). Each
+    (row, KV head, split) program takes the T tokens' T*G queries as rows of one tile, so the
+    cache is read once for all of them; the new tokens' keys and values stay in registers (the
+    program whose split holds slot end_b writes them and counts them in its sums). Returns
+    (out [B, T, K, G, H], k, v), the splits combined by XLA. Scores, softmax and the weighted
+    sums run in float32, the dots' operands in the model dtype. The caller guarantees
+    end_b + T <= S. `tuning.verify_tiles`: blocks of slots, splits, warps.
+    """
+    tuning = tuning or current()
+    B, T, K, J, H = qkv_BTKJH.shape
+    S = k_BKSH.shape[2]
+    G, R = J - 2, H // 2
+    Tq, Gp = _query_tile(T, G)
+    block_slots, split_slots, warps = tuning.verify_tiles
+    block = min(block_slots, S & -S)
+    splits, span = _splits(B, K, H, S, block, split_slots, tuning)
+    qk_norm = q_norm_H is not None
+    kernel = functools.partial(_verify_attention_kernel, T=T, G=G, R=R, window=window, span=span,
+                               block=block, splits=splits, eps=eps, qk_norm=qk_norm, Tq=Tq, Gp=Gp,
+                               Tn=max(QUERY_ROWS, pow2(T)), trigger=pdl_trigger(interpret, tuning))
+    row = lambda: pl.BlockSpec((1,), lambda b, k, s: (b,))
+    head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
+    tokens = lambda *block_shape: pl.BlockSpec(  # [T, ...] of row b, KV head k
+        (None, T, None, *block_shape), lambda b, k, s: (b, 0, k) + (0,) * len(block_shape))
+    vector = pl.BlockSpec((H,), lambda b, k, s: (0,))
+    rotation_P2R = rotation_P2R.reshape(rotation_P2R.shape[0], 2 * R)  # a row per position
+    in_specs = [row(), row(), pl.BlockSpec(rotation_P2R.shape, lambda b, k, s: (0, 0)),
+                tokens(J, H), head(S, H), head(S, H)] + [vector, vector] * qk_norm
+    args = [end_B.astype(jnp.int32), start_B.astype(jnp.int32),
+            rotation_P2R.astype(jnp.float32), qkv_BTKJH, k_BKSH, v_BKSH]
+    args += [q_norm_H, k_norm_H] * qk_norm
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((B, T, K, G, H), qkv_BTKJH.dtype)]
+        out_specs = [tokens(G, H)]
+    else:  # per split: unnormalized sums, running maxima and denominators, as `SplitHeads`
+        split = lambda *block_shape: pl.BlockSpec(
+            (None, None, T, None, *block_shape), lambda b, k, s: (b, s, 0, k) + (0,) * len(block_shape))
+        out_shape = [jax.ShapeDtypeStruct((B, splits, T, K, G, H), jnp.float32),
+                     jax.ShapeDtypeStruct((B, splits, T, K, G), jnp.float32),
+                     jax.ShapeDtypeStruct((B, splits, T, K, G), jnp.float32)]
+        out_specs = [split(G, H), split(G), split(G)]
+    n_out = len(out_shape)
+    out_shape += [jax.ShapeDtypeStruct(k_BKSH.shape, k_BKSH.dtype),
+                  jax.ShapeDtypeStruct(v_BKSH.shape, v_BKSH.dtype)]
+    out_specs += [head(S, H), head(S, H)]
+    outs = pl.pallas_call(
+        kernel, grid=(B, K, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={4: n_out, 5: n_out + 1},
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
+        interpret=interpret, name="verify_attention")(*args)
+    k_BKSH, v_BKSH = outs[n_out:]
+    if splits == 1:
+        return outs[0], k_BKSH, v_BKSH
+    return SplitHeads(*outs[:n_out], dtype=qkv_BTKJH.dtype).combined(), k_BKSH, v_BKSH
+
+
+def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
+                             T, G, R, window, span, block, splits, eps, qk_norm, Tq, Gp, Tn,
+                             trigger):
+    """One (row, KV head, split of the cache) program of `verify_attention`.
+
+    Query row i of the [Tq * Gp, H] tile is token i // Gp's query i % Gp (a power of two, so the
+    3-D load reshapes in place); the new tokens' keys and values are a tile of Tn >= 16 rows, so
+    their scores and weighted sum are tensor-core dots as a cached block's are.
+    """
+    if qk_norm:
+        q_norm_ref, k_norm_ref, *refs = refs
+    else:
+        q_norm_ref = k_norm_ref = None
+    out_refs, (k_out_ref, v_out_ref) = refs[:-2], refs[-2:]
+    f32, dtype = jnp.float32, qkv_ref.dtype
+    H, P = 2 * R, Tq * Gp
+    part = pl.program_id(2)
+    end, start = end_ref[0], start_ref[0]  # this row's first write slot and first live slot
+    if trigger:
+        end = launch_dependents(end)
+
+    def table(rows):  # float32 cos and sin [rows, R] of new tokens 0 .. rows-1 (past T: clamped)
+        at = jnp.clip(end - start + jnp.arange(rows), 0, rotation_ref.shape[0] - 1)[:, None]
+        cols = jnp.arange(R)[None, :]
+        return rotation_ref[at, cols], rotation_ref[at, cols + R]
+
+    def rotated(x1, x2, norm_ref, cos, sin):  # float32 halves [..., R], normed (Qwen3), rotated
+        if norm_ref is not None:  # as layers.rms_norm: normalize in float32, weight in the dtype
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / H + eps)[..., None]
+            x1 = ((x1 * inv).astype(dtype) * norm_ref[pl.ds(0, R)]).astype(f32)
+            x2 = ((x2 * inv).astype(dtype) * norm_ref[pl.ds(R, R)]).astype(f32)
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    # The queries, [Tq, Gp, R] halves rotated by their token's position, then [P, R].
+    is_query = (jnp.arange(Tq)[:, None] < T) & (jnp.arange(Gp)[None, :] < G)
+    query_half = lambda at: plt.load(qkv_ref.at[pl.ds(0, Tq), pl.ds(0, Gp), pl.ds(at, R)],
+                                     mask=is_query[:, :, None], other=0).astype(f32)
+    cos, sin = table(Tq)
+    q1, q2 = (half.astype(dtype).reshape(P, R) for half in rotated(
+        query_half(0), query_half(R), q_norm_ref, cos[:, None, :], sin[:, None, :]))
+    # The new tokens' keys and values, [Tn, ...], rows past T zero.
+    new = jnp.arange(Tn) < T
+    new_row = lambda j, at, n: plt.load(qkv_ref.at[pl.ds(0, Tn), jnp.int32(j), pl.ds(at, n)],
+                                        mask=new[:, None], other=0).astype(f32)
+    cos, sin = table(Tn)
+    k1, k2 = (half.astype(k_ref.dtype) for half in rotated(
+        new_row(G, 0, R), new_row(G, R, R), k_norm_ref, cos, sin))
+    v = new_row(G + 1, 0, H).astype(v_ref.dtype)
+    owner = end // span == part  # the split holding slot `end` writes the new tokens and counts them
+
+    @pl.when(owner)
+    def _():
+        plt.store(k_out_ref.at[pl.ds(end, Tn), pl.ds(0, R)], k1, mask=new[:, None])
+        plt.store(k_out_ref.at[pl.ds(end, Tn), pl.ds(R, R)], k2, mask=new[:, None])
+        plt.store(v_out_ref.at[pl.ds(end, Tn), :], v, mask=new[:, None])
+
+    scale = H ** -0.5
+    q_slot = end + jnp.arange(P) // Gp  # each query row's own slot
+    lo = start if window is None else jnp.maximum(start, q_slot + 1 - window)
+    lo = jnp.zeros((P,), jnp.int32) + lo  # [P]: the first slot each query sees
+
+    def sees(slot):  # [P, n] whether each query row sees these slots: live, causal, in its window
+        return (slot[None, :] >= lo[:, None]) & (slot[None, :] <= q_slot[:, None])
+
+    # The new tokens first: each query sees itself (so its sum is never empty, as with T = 1)
+    # and the ones before it in its window.
+    new_slot = end + jnp.arange(Tn)
+    seen = (sees(new_slot) | (new_slot[None, :] == q_slot[:, None])) & new[None, :] & owner
+    s = (dot_t(q1, k1.astype(dtype)) + dot_t(q2, k2.astype(dtype))) * scale  # [P, Tn]
+    s = jnp.where(seen, s, NEG)
+    m = jnp.max(s, axis=1)
+    p = jnp.where(seen, jnp.exp(s - m[:, None]), 0.0)
+    l = jnp.sum(p, axis=1)
+    acc = jnp.dot(p.astype(dtype), v.astype(dtype), preferred_element_type=f32)
+
+    # The cached slots of this split that some query sees (the first token's window reaches
+    # furthest back): [first, end) within the split's span.
+    first = jnp.maximum(start if window is None else jnp.maximum(start, end + 1 - window), part * span)
+    last = jnp.minimum(end, (part + 1) * span)
+
+    def body(i, carry):
+        m, l, acc = carry
+        base = pl.multiple_of(i * block, block)
+        slot = base + jnp.arange(block)
+        seen = sees(slot) & ((slot >= first) & (slot < last))[None, :]
+        kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
+        kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
+        s = (dot_t(q1, kb1) + dot_t(q2, kb2)) * scale  # [P, block]
+        s = jnp.where(seen, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        vb = v_ref[pl.ds(base, block), :].astype(dtype)
+        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), vb, preferred_element_type=f32)
+        return m_new, l * correction + jnp.sum(p, axis=1), acc
+
+    m, l, acc = jax.lax.fori_loop(first // block, jnp.maximum(first // block, -(-last // block)),
+                                  body, (m, l, acc))
+    at = (pl.ds(0, Tq), pl.ds(0, Gp))
+    if splits == 1:
+        (out_ref,) = out_refs
+        out = (acc / l[:, None]).astype(out_ref.dtype).reshape(Tq, Gp, H)
+        plt.store(out_ref.at[(*at, slice(None))], out, mask=is_query[:, :, None])
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        plt.store(acc_ref.at[(*at, slice(None))], acc.reshape(Tq, Gp, H), mask=is_query[:, :, None])
+        plt.store(m_ref.at[at], m.reshape(Tq, Gp), mask=is_query)
+        plt.store(l_ref.at[at], l.reshape(Tq, Gp), mask=is_query)

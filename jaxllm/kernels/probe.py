@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxllm import runtime
 from jaxllm.kernels.add_norm import add_norm
-from jaxllm.kernels.decode_attention import decode_attention
+from jaxllm.kernels.decode_attention import decode_attention, verify_attention
 from jaxllm.kernels.project import project
 from jaxllm.kernels.route import route
 from jaxllm.kernels.rows_project import rows_project
@@ -49,6 +49,14 @@ def _decode_attention(mode: str, t: KernelTuning) -> None:
         _spec((B,), jnp.int32), _spec((B,), jnp.int32), _spec((S, 2, _H // 2), jnp.float32))
 
 
+def _verify_attention(mode: str, t: KernelTuning) -> None:
+    B, T, K, G, S = 2, 4, 2, 2, 256
+    _compile(lambda qkv, k, v, end, start, rot: verify_attention(
+        qkv, k, v, end, start, rot, interpret=mode == "interpret", tuning=t),
+        _spec((B, T, K, G + 2, _H)), _spec((B, K, S, _H)), _spec((B, K, S, _H)),
+        _spec((B,), jnp.int32), _spec((B,), jnp.int32), _spec((S, 2, _H // 2), jnp.float32))
+
+
 def _project(mode: str, t: KernelTuning) -> None:
     def run(x, w, gate_up, norm):
         plain = project(x, w, norm_C=norm, mode=mode, tuning=t)
@@ -70,7 +78,7 @@ def _route(mode: str, t: KernelTuning) -> None:
     _compile(lambda x, r: route(x, r, 2, True, mode=mode, tuning=t), _spec((4, _D)), _spec((8, _D)))
 
 
-PROBES = {"decode_attention": _decode_attention, "project": _project, "rows_project": _rows_project,
+PROBES = {"decode_attention": _decode_attention, "verify_attention": _verify_attention, "project": _project, "rows_project": _rows_project,
           "add_norm": _add_norm, "route": _route}
 
 

@@ -23,6 +23,12 @@ class KernelTuning:
     one_split_values: int = 192  # B*K*H per multiprocessor from which one split
     fused_heads_values: int = 8192  # splits' values o's kernel combines itself
     pdl_trigger: bool = True  # each kernel lets the next launch early (Hopper)
+    # steps of 2..verify_tokens new tokens a row on a warm cache (a speculative verify step):
+    # the attention in `verify_attention`, the matrices in `rows_project` from verify_rows_min
+    # rows (B*T); 0 tokens: XLA's prefill forms (docs/decisions/verify-step.md)
+    verify_tokens: int = 9
+    verify_rows_min: int = 8
+    verify_tiles: tuple[int, ...] = (64, 128, 4)  # verify_attention's blocks, splits, warps
     # one-row projection (docs/decisions/one-row-projection.md)
     decode_project: str = "auto"
     kernel_max_weights: int = 8 * 2**20
@@ -75,6 +81,9 @@ class KernelTuning:
             one_split_values=env_number("JAXLLM_DECODE_ONE_SPLIT", 192),
             fused_heads_values=env_number("JAXLLM_FUSED_HEADS", "8192"),
             pdl_trigger=env_flag("JAXLLM_PDL_TRIGGER", True),
+            verify_tokens=env_number("JAXLLM_VERIFY_TOKENS", 9),
+            verify_rows_min=env_number("JAXLLM_VERIFY_ROWS_MIN", 8),
+            verify_tiles=env_ints("JAXLLM_VERIFY_TILES", "64,128,4"),
             decode_project=env_choice("JAXLLM_DECODE_PROJECT", MODES, "auto"),
             kernel_max_weights=env_number("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20),
             program_elements=elements, max_chunk=chunk, project_warps=project_warps,

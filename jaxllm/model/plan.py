@@ -92,14 +92,25 @@ def decode_attention_allowed(cfg: ModelConfig) -> bool:
 # --- the rules, one a kernel family (figures: docs/decisions/)
 
 def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int,
-                          tuning: KernelTuning | None = None) -> str | None:
-    """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel:
-    a float16/bfloat16 model (float32 keeps XLA's exact form) within the kernel's limits."""
+                          tuning: KernelTuning | None = None, tokens: int = 1,
+                          q_per_kv: int = 1) -> str | None:
+    """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel
+    (`decode_attention`; a verify step's `tokens` a row, of `q_per_kv` queries a KV head,
+    `verify_attention`): a float16/bfloat16 model (float32 keeps XLA's exact form) within the
+    kernel's limits."""
     t = tuning or current()
     m = mode(t.decode_attention, dtype, "decode_attention")
-    if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu"):
+    if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu",
+                                           tokens, q_per_kv):
         return None
-    return compiles("decode_attention", m, t)
+    return compiles("decode_attention" if tokens == 1 else "verify_attention", m, t)
+
+
+def verify_step(tokens_per_row: int, fresh: bool, tuning: KernelTuning | None = None) -> bool:
+    """Whether a step is a verify step, which takes the decode kernels' few-token forms: 2 to
+    `verify_tokens` new tokens a row into a warm cache (not `fresh`), as speculative decoding's
+    check of k drafted tokens writes k + 1 (docs/decisions/verify-step.md)."""
+    return not fresh and 1 < tokens_per_row <= (tuning or current()).verify_tokens
 
 
 def decode_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
@@ -120,11 +131,13 @@ def route_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
     return compiles("route", mode(t.route, dtype, "route"), t)
 
 
-def rows_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
-    """Whether a decode step of `rows` rows (rows_min to rows_max) takes `rows_project`'s kernel;
-    below rows_any_size rows only for large matrices (`rows_sized`)."""
+def rows_project_mode(dtype, rows: int, tuning: KernelTuning | None = None,
+                      least: int | None = None) -> str | None:
+    """Whether a decode step of `rows` rows (`least`, by default rows_min, to rows_max) takes
+    `rows_project`'s kernel; below rows_any_size rows only for large matrices (`rows_sized`)."""
     t = tuning or current()
-    if not t.rows_min <= rows <= t.rows_max:
+    least = t.rows_min if least is None else least
+    if not least <= rows <= t.rows_max:
         return None
     return compiles("rows_project", mode(t.rows_project, dtype, "rows_project"), t)
 
@@ -195,16 +208,19 @@ def down_digits(w_NC, mode: str | None, tuning: KernelTuning | None = None) -> b
 def _rows_mode(params: Params, B: int, T: int, axis, fresh: bool, t: KernelTuning) -> str | None:
     """Whether a step's blocks take the rows family: a decode step (not inside shard_map) of
     rows_min to rows_max rows of a dense float model whose every matrix the kernel's tiles divide
-    and, below rows_any_size rows, is large (`rows_sized`)."""
-    if T != 1 or fresh or axis is not None or params.config.num_experts:
+    and, below rows_any_size rows, is large (`rows_sized`). A verify step's B*T tokens are rows
+    as a decode step's are, from verify_rows_min."""
+    verify = verify_step(T, fresh, t)
+    if not (T == 1 or verify) or fresh or axis is not None or params.config.num_experts:
         return None
-    m = rows_project_mode(params.dtype, B, t)
+    rows = B * T
+    m = rows_project_mode(params.dtype, rows, t, t.verify_rows_min if verify else None)
 
     def divided(layer):  # (outputs, channels) of qkv, o, gate/up and down
         qkv, o, gate_up, down = layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down
         shapes = ((math.prod(qkv.shape[:-1]), qkv.shape[-1]), (o.shape[0], math.prod(o.shape[1:])),
                   gate_up.shape[1:], down.shape)
-        return (not isinstance(qkv, QuantizedWeight) and rows_sized(B, shapes, t)
+        return (not isinstance(qkv, QuantizedWeight) and rows_sized(rows, shapes, t)
                 and all(rows_tiles(*shape, t) for shape in shapes))
     return m if m and all(divided(layer) for layer in params.layers) else None
 
@@ -215,7 +231,9 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     """The plan of a step of `rows` rows of `tokens_per_row` new tokens each. `axis`: the
     tensor-parallel axis (inside shard_map: no one-row or rows kernels, no add_norm); `fresh`: a
     prefill into an empty cache; `cache_length` and `kv_int8`: the cache's, for the attention
-    kernel (None: XLA's attention)."""
+    kernel (None: XLA's attention). A `verify_step` (2-9 tokens a row on a warm cache) takes the
+    attention kernel's few-token form and, from verify_rows_min tokens in all, the rows kernels;
+    its lm_head, as a prefill's, XLA's."""
     t = tuning or current()
     cfg, B, T = params.config, rows, tokens_per_row
     inv_freq, _ = rope_frequencies(cfg)
@@ -223,9 +241,10 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     fusable = fused_paths_allowed(cfg)
     proj = decode_project_mode(params.dtype, B, t) if T == 1 and axis is None and fusable else None
     attention = None
-    if T == 1 and not fresh and cache_length is not None and decode_attention_allowed(cfg):
+    if (T == 1 or verify_step(T, fresh, t)) and not fresh and cache_length is not None \
+            and decode_attention_allowed(cfg):
         attention = decode_attention_mode(params.dtype, cfg.head_dim, 2 * len(inv_freq), kv_int8,
-                                          cache_length, t)
+                                          cache_length, t, tokens=T, q_per_kv=cfg.q_per_kv)
     fuse = None if axis is not None or (T == 1 and proj is None) or not fusable else \
         add_norm_mode(params.dtype, t)
     rows_mode = _rows_mode(params, B, T, axis, fresh, t) if fusable else None

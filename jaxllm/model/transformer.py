@@ -37,12 +37,20 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
     0, attend among themselves only, and go into the cache rotated back by these indices.
     `fused` marks a decode step taking the Pallas kernel: (start_B, rotation_P2R (cos and sin by
     position, `rotation_table`), interpret, split_out, tuning); with split_out the heads may come
-    back as a `kernels.SplitHeads` for `_project`.
+    back as a `kernels.SplitHeads` for `_project`. With T > 1 (a verify step) the kernel's
+    few-token form, `kernels.verify_attention`.
 
     Inside shard_map, K is the device's KV heads.
     """
     G = cfg.q_per_kv
     B, T, K, _, H = qkv_BTKJH.shape
+    if fused is not None and T > 1:  # a verify step's few tokens a row, in one kernel
+        start_B, rotation_P2R, interpret, _, tuning = fused
+        out_BTKGH, k_cache, v_cache = kernels.verify_attention(
+            qkv_BTKJH, kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
+            q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
+            tuning=tuning)
+        return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     if fused is not None:  # rotation, cache writes and attention in one kernel
         start_B, rotation_P2R, interpret, split_out, tuning = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(

@@ -4,7 +4,8 @@
 - a prefill into an empty cache (rotated rows, cuDNN) against the cache-reading prefill, on a
   ragged batch at real model widths: logits, the next decode step, the cache it wrote;
 - the Pallas decode-attention kernel against float32 XLA attention, and decode steps through it
-  against XLA's masked form at real model widths;
+  against XLA's masked form at real model widths; its few-token form (`verify_attention`) the
+  same, and verify steps through it (and rows_project) against XLA's prefill forms;
 - `kernels.project` (batch-1 norm, matrix-vector product and epilogue in one kernel; bf16 and int8)
   and `kernels.rows_project` (decode steps of 8-32 rows) against float32 XLA, and decode through them;
 - `kernels.add_norm` against float32, and a prefill through it against XLA;
@@ -34,7 +35,7 @@ from jaxllm.layers import moe as moe_layers
 from jaxllm.model import plan
 from jaxllm.layers.quant import quantize
 from jaxllm.model import transformer as model
-from jaxllm.model.cache import init_cache
+from jaxllm.model.cache import init_cache, rollback
 from jaxllm.model.params import quantize_params
 from jaxllm.tools.presets import PRESETS, random_params
 
@@ -187,6 +188,78 @@ def test_decode_via_attention_kernel_matches_xla(name):
     outs = _decode_both_ways(*_ragged_batch(name, seed=2), ["DECODE_ATTENTION"])
     assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2, "logits"
     assert rel(outs["auto"][1], outs["xla"][1]) <= 3e-2, "cache k"
+
+
+# -- verify steps (2-9 new tokens a row on a warm cache) -------------------------------------------
+
+def _verify_attention_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm):
+    B, T, K, J, H = qkv.shape
+    G = J - 2
+    slots = end[:, None] + jnp.arange(T)[None, :]
+    positions = jnp.maximum(slots - start[:, None], 0)
+    q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if q_norm is not None:
+        q, k = L.rms_norm(q, q_norm, 1e-6), L.rms_norm(k, k_norm, 1e-6)
+    q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
+    write = jax.vmap(lambda c, x, e: jax.lax.dynamic_update_slice(c, x.transpose(1, 0, 2), (0, e, 0)))
+    k_cache, v_cache = write(k_cache, k, end), write(v_cache, v, end)
+    mask = L.visible_mask(slots, start, k_cache.shape[2], window)
+    return L.attention(q.reshape(B, T, K, G, H), k_cache, v_cache, mask), k_cache
+
+
+@pytest.mark.parametrize("B, T, K, G, H, S, furthest, window, norm", [
+    (1, 5, 8, 4, 128, 384, 300, None, False),  # the 8B shape at batch 1
+    (1, 9, 3, 3, 64, 448, 200, None, False),  # SmolLM2's heads
+    (1, 9, 8, 8, 128, 384, 375, None, False),  # 128 query rows, to the cache's last slot
+    (4, 8, 8, 4, 128, 8448, 8000, None, False), (2, 4, 8, 2, 128, 8448, 500, None, True),
+    (8, 4, 8, 4, 128, 384, 380, 100, False), (32, 2, 8, 4, 128, 2304, 2100, None, False)])
+def test_verify_attention_kernel(B, T, K, G, H, S, furthest, window, norm):
+    keys = jax.random.split(jax.random.key(S + furthest + T), 5)
+    qkv = jax.random.normal(keys[0], (B, T, K, G + 2, H), bf16)
+    caches = [jax.random.normal(k, (B, K, S, H), bf16) for k in keys[1:3]]
+    norms = [1 + 0.1 * jax.random.normal(k, (H,), bf16) for k in keys[3:]] if norm else [None, None]
+    start = jnp.arange(B, dtype=jnp.int32) * 7 % 50
+    end = furthest - jnp.arange(B, dtype=jnp.int32) * 5 % 30  # ragged rows, the first at `furthest`
+    inv_freq = jnp.asarray(1.0 / 500000 ** (np.arange(0, H, 2) / H), f32)
+    angles = jnp.arange(S, dtype=f32)[:, None] * inv_freq
+    up = lambda xs: [None if x is None else x.astype(f32) for x in xs]
+    want, want_k = jax.jit(_verify_attention_reference, static_argnums=6)(
+        *up([qkv, *caches]), end, start, inv_freq, window, *up(norms))
+    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    assert plan.decode_attention_mode(bf16, H, H, False, S, tokens=T, q_per_kv=G) == "gpu"
+    got, got_k, _ = kernels.verify_attention(qkv, *caches, end, start, rotation, window=window,
+                                             q_norm_H=norms[0], k_norm_H=norms[1], eps=1e-6)
+    assert rel(got, want) <= 1e-2
+    assert rel(got_k, want_k) <= 1e-2, "cache k"
+
+
+@pytest.mark.parametrize("name, B, T, rows_min, family", [
+    ("llama3-8b", 1, 5, 8, None),  # 5 rows: XLA's matrices, the attention kernel
+    ("llama3-8b", 1, 5, 2, "rows"),  # the same through rows_project (VERIFY_ROWS_MIN=2)
+    ("llama3-8b", 3, 5, 8, "rows"), ("smollm2-135m", 1, 8, 8, None),
+    ("qwen3-0.6b", 3, 9, 8, None), ("llama3.2-1b", 4, 8, 8, "rows")])
+def test_verify_step_via_kernels_matches_xla(name, B, T, rows_min, family):
+    """A verify step (every position's logits) of ragged rows through the kernels the plan picks,
+    against XLA's prefill forms (VERIFY_TOKENS=0): logits and the cache it wrote."""
+    cfg, params, tokens, start = _ragged_batch(name, seed=6)
+    tokens, start = jnp.tile(tokens, (2, 1))[:B], jnp.tile(start, 2)[:B]
+    step = jax.jit(model.step, static_argnames=("fresh", "all_logits"))
+
+    def run(kernels_on: bool):
+        if kernels_on:
+            p = plan.step_plan(params, B, T, cache_length=320)
+            assert p.attention == "gpu" and p.layers[0].projection.family == family, name
+        cache = init_cache(cfg, B, 320, params.dtype, start)
+        _, cache = step(params, tokens, cache, fresh=True)
+        cache = rollback(cache, jnp.arange(B) % 3)  # ends 256, 255, 254
+        logits, cache = step(params, tokens[:, 40:40 + T], cache, all_logits=True)
+        return logits, cache.k[3][:, :, 250:264]
+
+    got = _with_switches({"VERIFY_ROWS_MIN": rows_min}, lambda: run(True))
+    want = _with_switches({"VERIFY_ROWS_MIN": rows_min, "VERIFY_TOKENS": 0}, lambda: run(False))
+    assert got[0].shape == (B, T, cfg.vocab_size)
+    assert rel(got[0], want[0]) <= 3e-2, "logits"
+    assert rel(got[1], want[1]) <= 3e-2, "cache k"
 
 
 # -- project (batch-1 decode) ---------------------------------------------------------------------
