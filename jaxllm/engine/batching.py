@@ -223,7 +223,8 @@ class BatchingEngine:
 
     def __init__(self, params, *, max_slots: int = 8, max_context: int | None = None, max_queued: int = 64,
                  prefill_chunk: int = 512, prefill_batches: tuple[int, ...] = (1, 4, 16),
-                 eos_token_ids=(), kv_dtype=None, load: Callable[[], object] | None = None):
+                 eos_token_ids=(), kv_dtype=None, load: Callable[[], object] | None = None,
+                 time_device_every: int = 0):
         """`params` may be None with `load` given: `start()` calls `load()` for them (a server
         answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
         `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
@@ -231,7 +232,9 @@ class BatchingEngine:
         power of two >= 16, or a multiple of 1024) are prefilled in chunks of that many between
         decode steps; shorter ones in batches of `prefill_batches` rows of one bucket width, as
         many rows as fit in `prefill_chunk` tokens. A request stops at `eos_token_ids` and the
-        model's own EOS ids unless it says `ignore_eos`."""
+        model's own EOS ids unless it says `ignore_eos`. With `time_device_every` k > 0, one
+        iteration in k runs its calls alone on an idle device and times them (stats' device_s and
+        device_iterations: what the device takes a step, to set against the loop's busy_s)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
@@ -252,6 +255,7 @@ class BatchingEngine:
         self.prefill_chunk = prefill_chunk
         self._batches = tuple(sorted(set(b for b in prefill_batches if b <= max_slots) | {1}))
         self._kv_dtype = kv_dtype
+        self.time_device_every = time_device_every
         self.on_failure: Callable[[str], None] | None = None
         self._cond = threading.Condition(threading.RLock())
         self._waiting: collections.deque[_Running] = collections.deque()
@@ -267,8 +271,12 @@ class BatchingEngine:
         self._ready = False
         self._thread: threading.Thread | None = None
         self._compilations = 0
-        self._counters = dict(decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0, occupied_rows=0,
-                              host_s=0.0, wait_s=0.0)
+        # busy_s: the loop's time in iterations (waits on the device included, idle waits not), cpu_s
+        # its thread's processor time; wait_s: its waits on the device's results; device_s: the
+        # timed iterations' calls alone
+        self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0,
+                              occupied_rows=0, busy_s=0.0, cpu_s=0.0, wait_s=0.0, device_s=0.0,
+                              device_iterations=0)
         global _listening
         if not _listening:
             jax.monitoring.register_event_duration_secs_listener(_count_compilation)
@@ -428,16 +436,20 @@ class BatchingEngine:
         _counting.engine = self
         try:
             while True:
+                started, cpu = time.perf_counter(), time.thread_time()
                 with self._cond:
-                    while self._idle() and not self._closing:
-                        self._cond.wait()
+                    if self._idle() and not self._closing:
+                        while self._idle() and not self._closing:
+                            self._cond.wait()
+                        started, cpu = time.perf_counter(), time.thread_time()
                     if self._idle():  # closing and nothing left
                         return
-                    started = time.perf_counter()
                     self._take_aborts()
                     admitted = self._admit()
                 self._iterate(admitted)
-                self._counters["host_s"] += time.perf_counter() - started
+                self._counters["iterations"] += 1
+                self._counters["busy_s"] += time.perf_counter() - started
+                self._counters["cpu_s"] += time.thread_time() - cpu
         except BaseException:
             self._fail(traceback.format_exc(limit=6))
 
@@ -500,6 +512,12 @@ class BatchingEngine:
     def _iterate(self, admitted: list[_Running]) -> None:
         """Dispatch this iteration's prefill (or chunk) and decode step, then read every call but
         the newest, which runs while the host works."""
+        every = self.time_device_every
+        timed = every > 0 and self._counters["iterations"] % every == 0
+        if timed:  # the device idle first, so that the clock sees this iteration's calls alone
+            while self._pending:
+                self._deliver(self._pending.popleft())
+            dispatched = time.perf_counter()
         if admitted and admitted[0] is not self._staging:
             self._prefill(admitted)
             self._chunk_turn = True
@@ -517,6 +535,10 @@ class BatchingEngine:
             self._pending.append(_Pending([o if a else None for o, a in zip(self._owner, active)], tokens, lp))
             self._counters["decode_steps"] += 1
             self._counters["occupied_rows"] += int(active.sum())
+        if timed:
+            jax.block_until_ready((self._stage, [p.tokens for p in self._pending]))
+            self._counters["device_s"] += time.perf_counter() - dispatched
+            self._counters["device_iterations"] += 1
         while len(self._pending) > (1 if active.any() else 0):
             self._deliver(self._pending.popleft())
 
