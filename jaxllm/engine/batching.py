@@ -583,11 +583,12 @@ class BatchingEngine:
         waited = time.perf_counter()
         tokens, lp = jax.device_get((pending.tokens, pending.logprobs))
         self._counters["wait_s"] += time.perf_counter() - waited
+        tokens, delivered = tokens.tolist(), 0  # Python ints at once, not one numpy scalar a row
         with self._cond:
             for j, item in enumerate(pending.owners):
                 if item is None or item.done:
                     continue
-                token = int(tokens[j])
+                token = tokens[j]
                 logprobs = None
                 if item.request.logprobs is not None:
                     k = item.request.logprobs
@@ -595,13 +596,14 @@ class BatchingEngine:
                     logprobs = [TokenLogprob(token, float(chosen), tuple(
                         (int(t), float(p)) for t, p in zip(ids[:k], top[:k])))]
                 item.made += 1
-                self._counters["tokens"] += 1
+                delivered += 1
                 finish = "stop" if token in item.stops else \
                     "length" if item.made == item.request.max_tokens else None
                 if finish:
                     self._end(item, Event([token], logprobs, finish))
                 else:
                     item.on_event(Event([token], logprobs))
+            self._counters["tokens"] += delivered
 
     def _fail(self, error: str) -> None:
         with self._cond:

@@ -17,6 +17,7 @@ import collections
 import hashlib
 import hmac
 import json
+import sys
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxllm.engine.api import EngineClosed, Event, QueueFull
@@ -35,6 +36,7 @@ from jaxllm.server.protocol import APIError, Job, Limits, chat_job, completion_j
 from jaxllm.text.detokenize import Detokenizer, StopMatcher
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+SWITCH_INTERVAL_S = 0.0005  # the longest the engine thread waits for the interpreter lock
 
 
 class ServerState:
@@ -355,21 +357,36 @@ async def _stream(run: _Run):
     yield "data: [DONE]\n\n"
 
 
-class _SSE(StreamingResponse):
-    """The stream of a run, whose unfinished choices are aborted however the response ends: a
-    client gone mid-stream (Starlette cancels the body), or before the body's first chunk (the
-    generator never starts, so a `finally` inside it would never run)."""
+class _SSE(Response):
+    """The stream of a run as a bare ASGI response (Starlette's StreamingResponse adds a task
+    group a request and a type check and encode a chunk): its body is raced against the client's
+    disconnect, and its unfinished choices are aborted however it ends, a client gone mid-stream
+    or before the first chunk."""
+
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
     def __init__(self, run: _Run):
-        super().__init__(_stream(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.run = run
+        self.run, self.status_code, self.background = run, 200, None
+        self.raw_headers = list(self.HEADERS)
+
+    async def _body(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for text in _stream(self.run):
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
+        body = asyncio.ensure_future(self._body(send))
+        gone = asyncio.ensure_future(_until_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (body, gone):
+                task.cancel()
             if self.run.abort():
                 self.run.state.metrics.aborted.inc()
+        if body.done() and not body.cancelled() and body.exception() is not None:
+            raise body.exception()
 
 
 async def _whole(run: _Run) -> dict:
@@ -393,9 +410,9 @@ async def _whole(run: _Run) -> dict:
             "created": run.created, "model": job.model, "choices": choices, "usage": run.usage()}
 
 
-async def _until_disconnect(request: HTTPRequest) -> None:
+async def _until_disconnect(receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -411,7 +428,7 @@ async def _serve(state: ServerState, request: HTTPRequest, make_job) -> Response
         return _SSE(run)
     # Nothing tells a non-streaming handler that its client left: race it against the disconnect.
     answer = asyncio.ensure_future(_whole(run))
-    gone = asyncio.ensure_future(_until_disconnect(request))
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
         await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -437,6 +454,11 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
+        # This loop's streams and the engine thread share the interpreter lock. When a step's
+        # results arrive, the engine thread must get the lock back at once to dispatch the next
+        # step; by default it may wait 5 ms for the loop to let go, longer than a decode step.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, SWITCH_INTERVAL_S))
         engine.on_failure = lambda message: loop.call_soon_threadsafe(state.fail, message)
 
         def start() -> None:
@@ -454,6 +476,7 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
         if state.phase != "failed":
             state.phase = "draining"
         await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+        sys.setswitchinterval(switch)
 
     app = FastAPI(title="jaxllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.jaxllm = state
