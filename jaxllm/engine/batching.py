@@ -30,6 +30,7 @@ the XLA compilations made on its threads (tests assert none come after ready).
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import traceback
@@ -191,6 +192,7 @@ class _Running:
     request: Request
     on_event: OnEvent
     stops: frozenset
+    width: int  # the prompt's bucket width; 0: a long prompt, prefilled in chunks
     row: int = -1
     made: int = 0  # tokens emitted
     done: bool = False
@@ -330,7 +332,9 @@ class BatchingEngine:
             rid = self._next_id
             self._next_id += 1
             stops = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self._stops)
-            self._waiting.append(_Running(rid, request, on_event, stops))
+            P = len(request.prompt)
+            width = bucket(P) if P <= self.prefill_chunk else 0
+            self._waiting.append(_Running(rid, request, on_event, stops, width))
             self._cond.notify()
         return rid
 
@@ -484,12 +488,12 @@ class BatchingEngine:
         free = [r for r, o in enumerate(self._owner) if o is None]
         if not free:
             return []
-        short = [w for w in self._waiting if len(w.request.prompt) <= self.prefill_chunk]
-        head = self._waiting[0] if self._staging is None else short[0] if short else None
+        # Scans stop at what they need: a thousand requests may wait at saturation.
+        head = self._waiting[0] if self._staging is None else next((w for w in self._waiting if w.width), None)
         if head is None:
             return []
-        P = len(head.request.prompt)
-        if P > self.prefill_chunk:
+        if not head.width:
+            P = len(head.request.prompt)
             self._waiting.popleft()
             C = self.prefill_chunk
             width = -(-P // C) * C
@@ -500,9 +504,8 @@ class BatchingEngine:
             self._owner[head.row] = head
             self._staging = head
             return [head]
-        width = bucket(P)
-        room = min(max(self._batch_sizes(width)), len(free))
-        taken = [w for w in short if bucket(len(w.request.prompt)) == width][:room]
+        room = min(max(self._batch_sizes(head.width)), len(free))
+        taken = list(itertools.islice((w for w in self._waiting if w.width == head.width), room))
         for item, row in zip(taken, free):
             self._waiting.remove(item)
             item.row = row
