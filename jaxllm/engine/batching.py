@@ -235,8 +235,9 @@ class BatchingEngine:
         decode steps; shorter ones in batches of `prefill_batches` rows of one bucket width, as
         many rows as fit in `prefill_chunk` tokens. A request stops at `eos_token_ids` and the
         model's own EOS ids unless it says `ignore_eos`. With `time_device_every` k > 0, one
-        iteration in k runs its calls alone on an idle device and times them (stats' device_s and
-        device_iterations: what the device takes a step, to set against the loop's busy_s)."""
+        iteration in k runs its calls alone on an idle device and times them from the first
+        call's launch (stats' device_s and device_iterations: what the device takes a step, to set
+        against the loop's busy_s)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
@@ -520,13 +521,17 @@ class BatchingEngine:
         if timed:  # the device idle first, so that the clock sees this iteration's calls alone
             while self._pending:
                 self._deliver(self._pending.popleft())
-            dispatched = time.perf_counter()
+        # The device starts a call about when its dispatch returns: the clock starts there, so
+        # the host's dispatch of the first call is not counted as device time.
+        launched = None
         if admitted and admitted[0] is not self._staging:
             self._prefill(admitted)
             self._chunk_turn = True
+            launched = time.perf_counter()
         elif self._staging is not None:
             self._prefill_chunk(self._staging)
             self._chunk_turn = False
+            launched = time.perf_counter()
         active = np.array([o is not None and self._staging is not o for o in self._owner])
         if active.any():
             requests = [o.request for o, a in zip(self._owner, active) if a]
@@ -538,9 +543,10 @@ class BatchingEngine:
             self._pending.append(_Pending([o if a else None for o, a in zip(self._owner, active)], tokens, lp))
             self._counters["decode_steps"] += 1
             self._counters["occupied_rows"] += int(active.sum())
-        if timed:
+            launched = launched or time.perf_counter()
+        if timed and launched is not None:
             jax.block_until_ready((self._stage, [p.tokens for p in self._pending]))
-            self._counters["device_s"] += time.perf_counter() - dispatched
+            self._counters["device_s"] += time.perf_counter() - launched
             self._counters["device_iterations"] += 1
         while len(self._pending) > (1 if active.any() else 0):
             self._deliver(self._pending.popleft())
