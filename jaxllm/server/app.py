@@ -23,7 +23,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -215,6 +215,17 @@ def _completion_logprobs(tok, lps: list, offset: int) -> dict:
             "text_offset": offsets}
 
 
+class _Delta(NamedTuple):
+    """What one event added to a choice, as it was then (a take holds several events of a choice
+    when its stream fell behind: only the last may carry the finish)."""
+
+    choice: _Choice
+    text: str
+    logprobs: list  # TokenLogprob of the tokens shown
+    finish: str | None
+    offset: int  # characters of the choice's text before this text
+
+
 class _Run:
     """One HTTP request's engine requests: submit, events in order, abort what is left."""
 
@@ -260,9 +271,9 @@ class _Run:
     def done(self) -> bool:
         return self.open == 0
 
-    async def take(self) -> list[tuple[_Choice, str, list]]:
-        """(choice, new text, new logprobs) of every event come since the last take (at least one);
-        aborts a choice that a stop string ended."""
+    async def take(self) -> list[_Delta]:
+        """What each event come since the last take (at least one) added to its choice; aborts a
+        choice that a stop string ended."""
         while not self.events:
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
@@ -278,7 +289,7 @@ class _Run:
                 if ev.finish_reason is None:  # a stop string: the engine still runs it
                     self.state.engine.abort(self.rids[i])
                 c.observe(self.state.metrics)
-            out.append((c, text, lps))
+            out.append(_Delta(c, text, lps, c.finish, c.chars - len(text)))
         return out
 
     def abort(self) -> bool:
@@ -294,8 +305,9 @@ class _Run:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool, finish: str | None) -> str:
-    """One SSE event of a stream: choice c's new text (and logprobs), `finish` its finish_reason."""
+def _chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool, finish: str | None, offset: int) -> str:
+    """One SSE event of a stream: choice c's new text (and logprobs) at character `offset`,
+    `finish` its finish_reason."""
     tok, job = run.state.tokenizer, run.job
     if job.kind == "chat":
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
@@ -305,7 +317,7 @@ def _chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool, finish: str
         obj = "chat.completion.chunk"
     else:
         choice = {"index": c.index, "text": text,
-                  "logprobs": _completion_logprobs(tok, lps, c.chars - len(text)) if job.logprobs else None,
+                  "logprobs": _completion_logprobs(tok, lps, offset) if job.logprobs else None,
                   "finish_reason": finish}
         obj = "text_completion"
     chunk = {"id": run.id, "object": obj, "created": run.created, "model": job.model, "choices": [choice]}
@@ -317,33 +329,34 @@ def _chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool, finish: str
 _TEXT = "<jaxllm: the text goes here>"
 
 
-def _stream_chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool = False) -> str:
-    if first or lps or run.job.logprobs or c.finish is not None or not text:
-        return _chunk(run, c, text, lps, first, c.finish)
+def _stream_chunk(run: _Run, d: _Delta) -> str:
+    c = d.choice
+    if d.logprobs or run.job.logprobs or d.finish is not None or not d.text:
+        return _chunk(run, c, d.text, d.logprobs, False, d.finish, d.offset)
     # Most chunks: a running choice's new text and nothing else. Its event is built once as the
     # text's two sides, so a token costs one json.dumps of its text.
     if c.fragments is None:
-        head, _, tail = _chunk(run, c, _TEXT, [], False, None).partition(json.dumps(_TEXT))
+        head, _, tail = _chunk(run, c, _TEXT, [], False, None, 0).partition(json.dumps(_TEXT))
         c.fragments = head, tail
     head, tail = c.fragments
-    return head + json.dumps(text, ensure_ascii=False) + tail
+    return head + json.dumps(d.text, ensure_ascii=False) + tail
 
 
 async def _stream(run: _Run):
     job = run.job
     if job.kind == "chat":
-        yield "".join(_stream_chunk(run, c, "", [], first=True) for c in run.choices)
+        yield "".join(_chunk(run, c, "", [], True, None, 0) for c in run.choices)
     while not run.done():
         out, failed = [], False
-        for c, text, lps in await run.take():
-            if c.finish == "error":
+        for d in await run.take():
+            if d.finish == "error":
                 # after the headers went out, an error is an SSE event (openai-python raises on it)
-                err = APIError(500, f"the engine failed: {c.error}", None, "engine_error")
+                err = APIError(500, f"the engine failed: {d.choice.error}", None, "engine_error")
                 out.append(f"data: {json.dumps(err.body())}\n\n")
                 failed = True
                 break
-            if text or lps or c.finish is not None:
-                out.append(_stream_chunk(run, c, text, lps))
+            if d.text or d.logprobs or d.finish is not None:
+                out.append(_stream_chunk(run, d))
         if out:  # what one engine step made, or several when this stream fell behind: one send
             yield "".join(out)
         if failed:
@@ -391,9 +404,9 @@ class _SSE(Response):
 
 async def _whole(run: _Run) -> dict:
     while not run.done():
-        for c, _, _ in await run.take():
-            if c.finish == "error":
-                raise APIError(500, f"the engine failed: {c.error}", None, "engine_error")
+        for d in await run.take():
+            if d.finish == "error":
+                raise APIError(500, f"the engine failed: {d.choice.error}", None, "engine_error")
     tok, job = run.state.tokenizer, run.job
     choices = []
     for c in run.choices:
