@@ -33,7 +33,8 @@ alone and timed, dispatch included; with --fake-device, its exact time), wall_ov
 target <= 1.10), host_ms_per_step (the loop's time outside its waits on the device),
 device_wait_ms_per_step, device_timed_steps, engine_cpu_ms_per_step (the engine thread's
 processor time) and process_cpu_ms_per_step (this process's: the engine, the server, XLA's
-threads; not the HTTP client's, which runs in a process of its own); errors.
+threads; not the HTTP client's, which runs in a process of its own); for http, http_impl
+(uvicorn's HTTP layer: httptools, or h11 when httptools is not installed); errors.
 
 --fake-device MS measures the host side alone, on any machine: the engine's device programs are
 replaced by ones that compute nothing (the tokens are not a model's) and whose results are ready
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import json
 import math
 import socket
@@ -493,6 +495,8 @@ def main(argv=None) -> int:
         line = dict(mode=mode, **label, **summarize(jobs, records, duration, streamed=mode != "static"))
         if mode != "static":
             line.update(engine_fields(before, engine.stats(), time.process_time() - cpu, args.fake_device))
+        if mode == "http":  # uvicorn's HTTP layer: httptools when installed, else h11 (pure Python, slower)
+            line["http_impl"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
         line["errors"] = errors[:5] + ([f"... {len(errors) - 5} more"] if len(errors) > 5 else [])
         print(json.dumps(line), flush=True)
     if engine is not None:
