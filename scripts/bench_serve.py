@@ -26,8 +26,20 @@ requests, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens,
 request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
 (TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
 http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
-running / max_slots, mean over decode steps), host_ms_per_step (the engine thread's time per
-iteration outside its waits on the device), device_wait_ms_per_step; errors.
+running / max_slots, mean over decode steps), and a decode step's share of the engine loop's
+time: wall_ms_per_step (its busy time, idle waits left out), device_ms_per_step (what the
+engine's calls take on an otherwise idle device: one iteration in --time-device-every is run
+alone and timed, dispatch included; with --fake-device, its exact time), wall_over_device (the issue's host overhead at saturation:
+target <= 1.10), host_ms_per_step (the loop's time outside its waits on the device),
+device_wait_ms_per_step, device_timed_steps, engine_cpu_ms_per_step (the engine thread's
+processor time) and process_cpu_ms_per_step (this process's: the engine, the server, XLA's
+threads; not the HTTP client's, which runs in a process of its own); for http, http_impl
+(uvicorn's HTTP layer: httptools, or h11 when httptools is not installed); errors.
+
+--fake-device MS measures the host side alone, on any machine: the engine's device programs are
+replaced by ones that compute nothing (the tokens are not a model's) and whose results are ready
+MS ms after the previous call's, as on a device that takes MS ms a call and never waits for the
+host. The engine's bookkeeping, events and the server run as they do with a model.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import json
 import math
 import socket
@@ -87,6 +100,10 @@ def parse_args(argv):
     p.add_argument("--mode", default="engine,http,static",
                    help="a comma list of engine, http, static (default: all three)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds a mode may take (default: 3600)")
+    p.add_argument("--time-device-every", type=int, default=16, metavar="K",
+                   help="time one engine iteration in K alone on the device (0: never; default: 16)")
+    p.add_argument("--fake-device", type=float, default=None, metavar="MS",
+                   help="programs that compute nothing, ready MS ms after the previous call's (host side alone)")
     args = p.parse_args(argv)
     modes = args.mode.split(",")
     if not modes or any(m not in ("engine", "http", "static") for m in modes):
@@ -94,6 +111,10 @@ def parse_args(argv):
     args.modes = [m for m in ("engine", "http", "static") if m in modes]
     if args.requests < 1 or args.max_slots < 1 or args.max_context < 2:
         p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
+    if args.time_device_every < 0 or args.fake_device is not None and not args.fake_device >= 0:
+        p.error("--time-device-every and --fake-device must be >= 0")
+    if args.fake_device is not None and "static" in args.modes:
+        p.error("--fake-device fakes the engine's programs: --mode engine, http or both")
     return args
 
 
@@ -138,15 +159,91 @@ def summarize(jobs, records, duration_s: float, streamed: bool = True) -> dict:
                 **_percentiles("e2e", e2e))
 
 
-def engine_fields(before: dict, after: dict) -> dict:
-    d = {k: after[k] - before[k] for k in ("compilations", "decode_steps", "prefill_calls", "chunk_calls",
-                                            "occupied_rows", "host_s", "wait_s")}
-    iterations = max(d["decode_steps"], 1)
+def engine_fields(before: dict, after: dict, process_cpu_s: float, fake_ms: float | None = None) -> dict:
+    d = {k: after[k] - before[k] for k in ("compilations", "iterations", "decode_steps", "prefill_calls",
+                                            "chunk_calls", "occupied_rows", "busy_s", "cpu_s", "wait_s", "device_s",
+                                            "device_iterations")}
+    steps = max(d["decode_steps"], 1)
+    # The timed iterations' mean, over all iterations, a decode step: the device's share of a step.
+    device_s = d["device_s"] / d["device_iterations"] * d["iterations"] if d["device_iterations"] else None
+    if fake_ms is not None:  # a fake device's time is known exactly
+        device_s = fake_ms / 1e3 * (d["decode_steps"] + d["prefill_calls"] + d["chunk_calls"])
     return dict(compilations_during_run=d["compilations"], decode_steps=d["decode_steps"],
                 prefill_calls=d["prefill_calls"], chunk_calls=d["chunk_calls"],
-                mean_occupancy=round(d["occupied_rows"] / iterations / after["max_slots"], 4),
-                host_ms_per_step=round((d["host_s"] - d["wait_s"]) / iterations * 1e3, 4),
-                device_wait_ms_per_step=round(d["wait_s"] / iterations * 1e3, 4))
+                mean_occupancy=round(d["occupied_rows"] / steps / after["max_slots"], 4),
+                wall_ms_per_step=round(d["busy_s"] / steps * 1e3, 4),
+                device_ms_per_step=None if device_s is None else round(device_s / steps * 1e3, 4),
+                wall_over_device=None if not device_s else round(d["busy_s"] / device_s, 3),
+                host_ms_per_step=round((d["busy_s"] - d["wait_s"]) / steps * 1e3, 4),
+                device_wait_ms_per_step=round(d["wait_s"] / steps * 1e3, 4),
+                device_timed_steps=d["device_iterations"],
+                engine_cpu_ms_per_step=round(d["cpu_s"] / steps * 1e3, 4),
+                process_cpu_ms_per_step=round(process_cpu_s / steps * 1e3, 4))
+
+
+class _Late:
+    """A fake program's result: its value once the fake device has finished the call."""
+
+    def __init__(self, value, ready_at: float):
+        self.value, self.ready_at = value, ready_at
+
+    def block_until_ready(self):
+        time.sleep(max(self.ready_at - time.perf_counter(), 0))
+        return self
+
+    def __array__(self, dtype=None, copy=None):  # what jax.device_get reads
+        self.block_until_ready()
+        return self.value
+
+
+def fake_device_engine(ms: float):
+    """BatchingEngine whose device programs compute nothing: each call's results are ready `ms`
+    after the previous call's (the device never waits for the host; see --fake-device)."""
+    import jax
+
+    from jaxllm.engine.batching import BatchingEngine, Next
+
+    class FakeDeviceEngine(BatchingEngine):
+        def _init_state(self):
+            super()._init_state()
+            self._rows = self._stage = None  # no cache: the programs read none
+            self._next = jax.device_get(self._next)
+            V, free_at = self._params.config.vocab_size, [0.0]
+
+            def late(x):
+                free_at[0] = max(free_at[0], time.perf_counter()) + ms / 1e3
+                return _Late(x, free_at[0])
+
+            def logprobs(n):
+                return np.zeros((n,), np.float32), np.zeros((n, 20), np.float32), np.zeros((n, 20), np.int32)
+
+            def into(nxt, at, first):
+                keep = at < len(nxt.tokens)
+                tokens, index = nxt.tokens.copy(), nxt.index.copy()
+                tokens[at[keep]], index[at[keep]] = first[keep], 1
+                return Next(tokens, index, nxt.sampling)
+
+            def decode(params, rows, nxt, active, rotation, *, flags, logprobs_):
+                tokens = (nxt.tokens * 7 + 3) % V
+                return rows, Next(tokens, nxt.index + 1, nxt.sampling), late(tokens), \
+                    logprobs(len(tokens)) if logprobs_ else None
+
+            def prefill(params, rows, nxt, tokens_bW, start_b, at_b, sampling_b):
+                first = np.asarray(tokens_bW)[:, -1].copy()
+                return rows, into(nxt, np.asarray(at_b), first), late(first), logprobs(len(first))
+
+            def chunk(params, stage, tokens_1C, start_1):
+                return late(None)  # the staging cache: what a timed iteration waits for
+
+            def chunk_insert(params, rows, nxt, stage, tokens_1C, at, sampling_1):
+                first = np.asarray(tokens_1C)[:, -1].copy()
+                return rows, into(nxt, np.reshape(at, (1,)), first), late(first), logprobs(1)
+
+            self._decode_fn = lambda *a, flags, logprobs: decode(*a, flags=flags, logprobs_=logprobs)
+            self._prefill_fn, self._chunk_insert_fn = prefill, chunk_insert
+            self._chunk_fns = {True: chunk, False: chunk}
+
+    return FakeDeviceEngine
 
 
 def run_engine(engine, jobs, timeout: float):
@@ -371,11 +468,12 @@ def main(argv=None) -> int:
                  dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
                  prefill_chunk=args.prefill_chunk, requests=args.requests,
                  rate=None if math.isinf(args.rate) else args.rate, input_len=list(args.input_len),
-                 output_len=list(args.output_len), seed=args.seed)
+                 output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device)
     engine = None
     if {"engine", "http"} & set(args.modes):
-        engine = BatchingEngine(params, max_slots=args.max_slots, max_context=args.max_context,
-                                max_queued=args.requests, prefill_chunk=args.prefill_chunk)
+        kind = BatchingEngine if args.fake_device is None else fake_device_engine(args.fake_device)
+        engine = kind(params, max_slots=args.max_slots, max_context=args.max_context, max_queued=args.requests,
+                      prefill_chunk=args.prefill_chunk, time_device_every=args.time_device_every)
         started = time.perf_counter()
         engine.start()
         label["warmup_s"] = round(time.perf_counter() - started, 2)
@@ -383,6 +481,7 @@ def main(argv=None) -> int:
     for mode in args.modes:
         log(f"{mode}: {len(jobs)} requests")
         before = engine.stats() if engine else None
+        cpu = time.process_time()
         if mode == "engine":
             records, duration, errors = run_engine(engine, jobs, args.timeout)
         elif mode == "http":
@@ -395,7 +494,9 @@ def main(argv=None) -> int:
             records, duration, errors = run_static(params, jobs, args.max_slots)
         line = dict(mode=mode, **label, **summarize(jobs, records, duration, streamed=mode != "static"))
         if mode != "static":
-            line.update(engine_fields(before, engine.stats()))
+            line.update(engine_fields(before, engine.stats(), time.process_time() - cpu, args.fake_device))
+        if mode == "http":  # uvicorn's HTTP layer: httptools when installed, else h11 (pure Python, slower)
+            line["http_impl"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
         line["errors"] = errors[:5] + ([f"... {len(errors) - 5} more"] if len(errors) > 5 else [])
         print(json.dumps(line), flush=True)
     if engine is not None:

@@ -30,3 +30,24 @@ def test_bench_serve_runs_every_mode_on_the_same_requests():
         assert line["compilations_during_run"] == 0
         assert line["decode_steps"] > 0 and 0 < line["mean_occupancy"] <= 1
         assert line["chunk_calls"] > 0  # prompts over 32 tokens went in chunks
+        # one iteration in 16 timed alone: the device's share of a step, beside the wall's
+        assert line["device_timed_steps"] > 0 and line["device_ms_per_step"] > 0 and line["wall_over_device"] > 0
+
+
+@pytest.mark.slow
+def test_bench_serve_fake_device_runs_the_host_side_alone():
+    pytest.importorskip("uvicorn")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "12",
+         "--max-slots", "4", "--max-context", "128", "--prefill-chunk", "32", "--input-len", "4,48",
+         "--output-len", "2,16", "--fake-device", "1", "--mode", "engine,http"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["mode"] for line in lines] == ["engine", "http"]
+    for line in lines:
+        assert line["errors"] == [] and line["fake_device_ms"] == 1
+        assert line["output_tokens"] == lines[0]["output_tokens"] > 12
+        # a fake call takes 1 ms exactly: the device's share is counted, not sampled
+        calls = line["decode_steps"] + line["prefill_calls"] + line["chunk_calls"]
+        assert line["device_ms_per_step"] == round(calls / line["decode_steps"], 4)

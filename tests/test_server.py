@@ -404,6 +404,42 @@ def test_engine_failure_ends_streams_with_an_error_and_health_503(params, tok):
         server.stop()
 
 
+def test_a_stream_that_falls_behind_sends_each_token_once_and_one_finish(params, tok):
+    """Many steps' events reaching the server at once (as when its loop is busy) are sent together:
+    the text is still each token's once and in order, with one finish_reason, and completions'
+    logprob offsets still count the text before each token."""
+    from jaxllm.engine.batching import BatchingEngine
+    from jaxllm.server.app import create_app
+
+    class Late(BatchingEngine):  # holds back a request's events until its last
+        def submit(self, request, on_event):
+            held = []
+
+            def hold(ev):
+                held.append(ev)
+                if ev.finish_reason is not None:
+                    for e in held:
+                        on_event(e)
+            return super().submit(request, hold)
+
+    engine = Late(params, max_slots=MAX_SLOTS, max_context=MAX_CONTEXT, max_queued=MAX_QUEUED, prefill_chunk=64)
+    server = LiveServer(create_app(engine, tok, MODEL))
+    try:
+        server.wait_ready()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=30)
+        for logprobs in (None, 1):
+            kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=logprobs,
+                      extra_body={"ignore_eos": True})
+            whole = c.completions.create(**kw).choices[0]
+            chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kw)]
+            assert "".join(ch.text for ch in chunks) == whole.text
+            assert [ch.finish_reason for ch in chunks if ch.finish_reason] == ["length"]
+            if logprobs:
+                assert [o for ch in chunks for o in ch.logprobs.text_offset] == whole.logprobs.text_offset
+    finally:
+        server.stop()
+
+
 def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
     """`jaxllm serve` as users run it: /health 503 then 200; on SIGTERM an answer in flight still
     completes, and the process exits 0."""

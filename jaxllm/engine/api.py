@@ -11,7 +11,9 @@ knows nothing of HTTP, text, stop strings or SSE:
     engine.shutdown(timeout)               # finish or abort everything, stop the thread
 
 `on_event(event)` runs on the engine's thread, so it must be quick and must not block: the server
-hands each event to its asyncio loop with `loop.call_soon_threadsafe` (no polling). A request gets
+appends each event to an inbox, and the first of a step's burst wakes its asyncio loop once with
+`loop.call_soon_threadsafe` (no polling). Each step gives each running request one event, so the
+calls a step come together, one per row: what a callback costs, 128 rows pay a step. A request gets
 events of new token ids until exactly one event with a `finish_reason`:
 - "stop": a stop token id (the model's EOS unless `ignore_eos`, or one of `stop_token_ids`) came;
   that token is in the event's `token_ids` (the server does not show it as text);

@@ -30,6 +30,7 @@ the XLA compilations made on its threads (tests assert none come after ready).
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import traceback
@@ -219,6 +220,7 @@ class _Running:
     request: Request
     on_event: OnEvent
     stops: frozenset
+    width: int  # the prompt's bucket width; 0: a long prompt, prefilled in chunks
     row: int = -1
     made: int = 0  # tokens emitted
     done: bool = False
@@ -252,7 +254,7 @@ class BatchingEngine:
     def __init__(self, params, *, max_slots: int = 8, max_context: int | None = None, max_queued: int = 64,
                  prefill_chunk: int = 512, prefill_batches: tuple[int, ...] = (1, 4, 16),
                  decode_rows: tuple[int, ...] = DECODE_ROWS, eos_token_ids=(), kv_dtype=None,
-                 load: Callable[[], object] | None = None):
+                 load: Callable[[], object] | None = None, time_device_every: int = 0):
         """`params` may be None with `load` given: `start()` calls `load()` for them (a server
         answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
         `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
@@ -262,7 +264,10 @@ class BatchingEngine:
         many rows as fit in `prefill_chunk` tokens. A decode step computes the first n rows of
         the cache, n the least of `decode_rows` (and max_slots) that holds every running row:
         requests take the lowest free row, so a lone stream runs batch-1 steps. A request stops
-        at `eos_token_ids` and the model's own EOS ids unless it says `ignore_eos`."""
+        at `eos_token_ids` and the model's own EOS ids unless it says `ignore_eos`. With
+        `time_device_every` k > 0, one iteration in k runs its calls alone on an idle device and
+        times them from the first call's launch (stats' device_s and device_iterations: what the
+        device takes a step, to set against the loop's busy_s)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
@@ -284,6 +289,7 @@ class BatchingEngine:
         self._batches = tuple(sorted(set(b for b in prefill_batches if b <= max_slots) | {1}))
         self._decode_rows = tuple(sorted(set(n for n in decode_rows if n < max_slots) | {max_slots}))
         self._kv_dtype = kv_dtype
+        self.time_device_every = time_device_every
         self.on_failure: Callable[[str], None] | None = None
         self._cond = threading.Condition(threading.RLock())
         self._waiting: collections.deque[_Running] = collections.deque()
@@ -299,9 +305,12 @@ class BatchingEngine:
         self._ready = False
         self._thread: threading.Thread | None = None
         self._compilations = 0
-        self._counters = dict(decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0, occupied_rows=0,
-                              computed_rows=0,
-                              host_s=0.0, wait_s=0.0)
+        # busy_s: the loop's time in iterations (waits on the device included, idle waits not), cpu_s
+        # its thread's processor time; wait_s: its waits on the device's results; device_s: the
+        # timed iterations' calls alone
+        self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0,
+                              occupied_rows=0, computed_rows=0, busy_s=0.0, cpu_s=0.0, wait_s=0.0, device_s=0.0,
+                              device_iterations=0)
         global _listening
         if not _listening:
             jax.monitoring.register_event_duration_secs_listener(_count_compilation)
@@ -355,7 +364,9 @@ class BatchingEngine:
             rid = self._next_id
             self._next_id += 1
             stops = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self._stops)
-            self._waiting.append(_Running(rid, request, on_event, stops))
+            P = len(request.prompt)
+            width = bucket(P) if P <= self.prefill_chunk else 0
+            self._waiting.append(_Running(rid, request, on_event, stops, width))
             self._cond.notify()
         return rid
 
@@ -463,16 +474,20 @@ class BatchingEngine:
         _counting.engine = self
         try:
             while True:
+                started, cpu = time.perf_counter(), time.thread_time()
                 with self._cond:
-                    while self._idle() and not self._closing:
-                        self._cond.wait()
+                    if self._idle() and not self._closing:
+                        while self._idle() and not self._closing:
+                            self._cond.wait()
+                        started, cpu = time.perf_counter(), time.thread_time()
                     if self._idle():  # closing and nothing left
                         return
-                    started = time.perf_counter()
                     self._take_aborts()
                     admitted = self._admit()
                 self._iterate(admitted)
-                self._counters["host_s"] += time.perf_counter() - started
+                self._counters["iterations"] += 1
+                self._counters["busy_s"] += time.perf_counter() - started
+                self._counters["cpu_s"] += time.thread_time() - cpu
         except BaseException:
             self._fail(traceback.format_exc(limit=6))
 
@@ -507,12 +522,12 @@ class BatchingEngine:
         free = [r for r, o in enumerate(self._owner) if o is None]
         if not free:
             return []
-        short = [w for w in self._waiting if len(w.request.prompt) <= self.prefill_chunk]
-        head = self._waiting[0] if self._staging is None else short[0] if short else None
+        # Scans stop at what they need: a thousand requests may wait at saturation.
+        head = self._waiting[0] if self._staging is None else next((w for w in self._waiting if w.width), None)
         if head is None:
             return []
-        P = len(head.request.prompt)
-        if P > self.prefill_chunk:
+        if not head.width:
+            P = len(head.request.prompt)
             self._waiting.popleft()
             C = self.prefill_chunk
             width = -(-P // C) * C
@@ -523,9 +538,8 @@ class BatchingEngine:
             self._owner[head.row] = head
             self._staging = head
             return [head]
-        width = bucket(P)
-        room = min(max(self._batch_sizes(width)), len(free))
-        taken = [w for w in short if bucket(len(w.request.prompt)) == width][:room]
+        room = min(max(self._batch_sizes(head.width)), len(free))
+        taken = list(itertools.islice((w for w in self._waiting if w.width == head.width), room))
         for item, row in zip(taken, free):
             self._waiting.remove(item)
             item.row = row
@@ -535,12 +549,22 @@ class BatchingEngine:
     def _iterate(self, admitted: list[_Running]) -> None:
         """Dispatch this iteration's prefill (or chunk) and decode step, then read every call but
         the newest, which runs while the host works."""
+        every = self.time_device_every
+        timed = every > 0 and self._counters["iterations"] % every == 0
+        if timed:  # the device idle first, so that the clock sees this iteration's calls alone
+            while self._pending:
+                self._deliver(self._pending.popleft())
+        # The device starts a call about when its dispatch returns: the clock starts there, so
+        # the host's dispatch of the first call is not counted as device time.
+        launched = None
         if admitted and admitted[0] is not self._staging:
             self._prefill(admitted)
             self._chunk_turn = True
+            launched = time.perf_counter()
         elif self._staging is not None:
             self._prefill_chunk(self._staging)
             self._chunk_turn = False
+            launched = time.perf_counter()
         active = np.array([o is not None and self._staging is not o for o in self._owner])
         if active.any():
             n = next(n for n in self._decode_rows if n > np.flatnonzero(active)[-1])
@@ -555,6 +579,11 @@ class BatchingEngine:
             self._counters["decode_steps"] += 1
             self._counters["occupied_rows"] += int(active.sum())
             self._counters["computed_rows"] += n
+            launched = launched or time.perf_counter()
+        if timed and launched is not None:
+            jax.block_until_ready((self._stage, [p.tokens for p in self._pending]))
+            self._counters["device_s"] += time.perf_counter() - launched
+            self._counters["device_iterations"] += 1
         while len(self._pending) > (1 if active.any() else 0):
             self._deliver(self._pending.popleft())
 
@@ -599,11 +628,12 @@ class BatchingEngine:
         waited = time.perf_counter()
         tokens, lp = jax.device_get((pending.tokens, pending.logprobs))
         self._counters["wait_s"] += time.perf_counter() - waited
+        tokens, delivered = tokens.tolist(), 0  # Python ints at once, not one numpy scalar a row
         with self._cond:
             for j, item in enumerate(pending.owners):
                 if item is None or item.done:
                     continue
-                token = int(tokens[j])
+                token = tokens[j]
                 logprobs = None
                 if item.request.logprobs is not None:
                     k = item.request.logprobs
@@ -611,13 +641,14 @@ class BatchingEngine:
                     logprobs = [TokenLogprob(token, float(chosen), tuple(
                         (int(t), float(p)) for t, p in zip(ids[:k], top[:k])))]
                 item.made += 1
-                self._counters["tokens"] += 1
+                delivered += 1
                 finish = "stop" if token in item.stops else \
                     "length" if item.made == item.request.max_tokens else None
                 if finish:
                     self._end(item, Event([token], logprobs, finish))
                 else:
                     item.on_event(Event([token], logprobs))
+            self._counters["tokens"] += delivered
 
     def _fail(self, error: str) -> None:
         with self._cond:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP app over an engine (jaxllm.engine.api): FastAPI routes, SSE, errors.
 
 /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. Each request becomes a
-`Job` (protocol.py), one engine request per choice. Events come back on the engine's thread and
-are handed to this app's asyncio loop with `loop.call_soon_threadsafe` into one queue per HTTP
-request; text is made here (Detokenizer, StopMatcher), never on the engine thread. A client that
+`Job` (protocol.py), one engine request per choice. Events come back on the engine's thread, one
+per running row a step; an `_Inbox` hands each step's burst to this app's asyncio loop in one
+wakeup (`loop.call_soon_threadsafe` once, not once a token), and each HTTP request's stream writes
+what its events made since it last ran in one send. Text is made here (Detokenizer, StopMatcher),
+never on the engine thread; a chunk's JSON is two pre-built fragments around the new text. A client that
 goes away (a streaming one: Starlette cancels the body; a non-streaming one: a disconnect listener
 races the handler, as vLLM's `with_cancellation` does) has its engine requests aborted.
 """
@@ -11,18 +13,21 @@ races the handler, as vLLM's `with_cancellation` does) has its engine requests a
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import json
+import sys
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Callable
+from functools import partial
+from typing import Callable, NamedTuple
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxllm.engine.api import EngineClosed, Event, QueueFull
@@ -31,6 +36,7 @@ from jaxllm.server.protocol import APIError, Job, Limits, chat_job, completion_j
 from jaxllm.text.detokenize import Detokenizer, StopMatcher
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+SWITCH_INTERVAL_S = 0.0005  # the longest the engine thread waits for the interpreter lock
 
 
 class ServerState:
@@ -48,6 +54,13 @@ class ServerState:
         self.failure: str | None = None
         self.limits: Limits | None = None
         self.created = int(time.time())
+        self._inbox: _Inbox | None = None
+
+    def inbox_of(self, loop: asyncio.AbstractEventLoop) -> "_Inbox":
+        """The inbox of the loop the app runs on (one loop for the app's life)."""
+        if self._inbox is None or self._inbox.loop is not loop:
+            self._inbox = _Inbox(loop)
+        return self._inbox
 
     def became_ready(self) -> None:
         self.limits = Limits(self.model, self.tokenizer, self.engine.max_context, self.max_n, self.eos)
@@ -86,6 +99,34 @@ async def _body(request: HTTPRequest):
         raise APIError(400, f"the request body is not valid JSON: {e}", "body") from None
 
 
+class _Inbox:
+    """Engine events on their way to the loop: the engine thread appends, and the first event of
+    a burst (a step's rows) schedules the one callback that hands them all over. Appends and the
+    flag are single bytecode operations, safe without a lock under the interpreter lock; a burst
+    the callback has begun draining is drained to the end, or schedules the next callback."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._events: collections.deque = collections.deque()
+        self._scheduled = False
+
+    def post(self, run: "_Run", i: int, ev: Event) -> None:
+        self._events.append((run, i, ev))
+        if not self._scheduled:
+            self._scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: the server is gone
+                pass
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        events = self._events
+        while events:
+            run, i, ev = events.popleft()
+            run.receive(i, ev)
+
+
 class _Choice:
     """One choice's text and counts, fed engine events in order."""
 
@@ -98,12 +139,23 @@ class _Choice:
         self.error: str | None = None
         self.text: list[str] = []
         self.logprobs: list = []  # TokenLogprob of each token shown
+        self.chars = 0  # of text shown (completions' logprobs give offsets)
+        self.fragments: tuple[str, str] | None = None  # a text-only chunk's SSE event around its text
         self.t_first: float | None = None
 
     def feed(self, ev: Event) -> tuple[str, list]:
         """(new text, new TokenLogprobs) of an event; sets `finish` at the choice's end."""
         if ev.token_ids and self.t_first is None:
             self.t_first = time.perf_counter()
+        if ev.finish_reason is None and not ev.logprobs and len(ev.token_ids) == 1:
+            # a running step's one token: most events, so the short way
+            self.tokens += 1
+            text = self.stop.push(self.detok.push(ev.token_ids[0]))
+            if self.stop.stopped:
+                self.finish = "stop"
+            self.text.append(text)
+            self.chars += len(text)
+            return text, []
         ids, lps = list(ev.token_ids), list(ev.logprobs or [])
         if ev.finish_reason == "stop" and ids:  # the stop token itself is counted, not shown
             ids, lps = ids[:-1], lps[:len(ids) - 1]
@@ -124,6 +176,7 @@ class _Choice:
             self.error = ev.error
         text = "".join(out)
         self.text.append(text)
+        self.chars += len(text)
         self.logprobs += shown
         return text, shown
 
@@ -162,14 +215,27 @@ def _completion_logprobs(tok, lps: list, offset: int) -> dict:
             "text_offset": offsets}
 
 
+class _Delta(NamedTuple):
+    """What one event added to a choice, as it was then (a take holds several events of a choice
+    when its stream fell behind: only the last may carry the finish)."""
+
+    choice: _Choice
+    text: str
+    logprobs: list  # TokenLogprob of the tokens shown
+    finish: str | None
+    offset: int  # characters of the choice's text before this text
+
+
 class _Run:
     """One HTTP request's engine requests: submit, events in order, abort what is left."""
 
     def __init__(self, state: ServerState, job: Job):
         self.state, self.job = state, job
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.events: list = []  # (choice index, Event) received and not yet taken
+        self._wake: asyncio.Future | None = None
         self.t0 = time.perf_counter()
         self.choices = [_Choice(i, job, state.tokenizer, self.t0) for i in range(len(job.requests))]
+        self.open = len(self.choices)  # choices not finished
         self.rids: list[int] = []
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -178,11 +244,11 @@ class _Run:
         if self.state.phase != "ready":
             raise APIError(503, f"the server is {self.state.phase}" if self.state.phase != "failed" else
                            f"the engine failed: {self.state.failure}", None, "service_unavailable")
-        loop = asyncio.get_running_loop()
+        inbox = self.state.inbox_of(asyncio.get_running_loop())
         engine = self.state.engine
         try:
             for i, r in enumerate(self.job.requests):
-                self.rids.append(engine.submit(r, self._poster(loop, i)))
+                self.rids.append(engine.submit(r, partial(inbox.post, self, i)))
         except QueueFull as e:
             self.abort()
             self.state.metrics.rejected.inc()
@@ -196,32 +262,35 @@ class _Run:
                 from None
         self.state.metrics.prompt_tokens.inc(len(self.job.prompt_ids))
 
-    def _poster(self, loop: asyncio.AbstractEventLoop, i: int):
-        queue = self.queue
-
-        def post(ev: Event) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
-            except RuntimeError:  # the loop is closed: the server is gone
-                pass
-        return post
+    def receive(self, i: int, ev: Event) -> None:
+        """On the loop: an event of choice i."""
+        self.events.append((i, ev))
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     def done(self) -> bool:
-        return all(c.finish is not None for c in self.choices)
+        return self.open == 0
 
-    async def next(self) -> tuple[_Choice, str, list]:
-        """The next event's (choice, new text, new logprobs); aborts a choice a stop string ended."""
-        while True:
-            i, ev = await self.queue.get()
+    async def take(self) -> list[_Delta]:
+        """What each event come since the last take (at least one) added to its choice; aborts a
+        choice that a stop string ended."""
+        while not self.events:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        events, self.events = self.events, []
+        out = []
+        for i, ev in events:
             c = self.choices[i]
             if c.finish is not None:
                 continue  # events after a stop string matched (the abort is on its way)
             text, lps = c.feed(ev)
             if c.finish is not None:
+                self.open -= 1
                 if ev.finish_reason is None:  # a stop string: the engine still runs it
                     self.state.engine.abort(self.rids[i])
                 c.observe(self.state.metrics)
-            return c, text, lps
+            out.append(_Delta(c, text, lps, c.finish, c.chars - len(text)))
+        return out
 
     def abort(self) -> bool:
         """Abort every choice not finished (the client left, or submit failed part way); whether
@@ -236,19 +305,20 @@ class _Run:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _stream_chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool = False) -> str:
+def _chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool, finish: str | None, offset: int) -> str:
+    """One SSE event of a stream: choice c's new text (and logprobs) at character `offset`,
+    `finish` its finish_reason."""
     tok, job = run.state.tokenizer, run.job
     if job.kind == "chat":
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         choice = {"index": c.index, "delta": delta,
                   "logprobs": _chat_logprobs(tok, lps) if job.logprobs and lps else None,
-                  "finish_reason": c.finish}
+                  "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        offset = sum(len(t) for t in c.text) - len(text)
         choice = {"index": c.index, "text": text,
                   "logprobs": _completion_logprobs(tok, lps, offset) if job.logprobs else None,
-                  "finish_reason": c.finish}
+                  "finish_reason": finish}
         obj = "text_completion"
     chunk = {"id": run.id, "object": obj, "created": run.created, "model": job.model, "choices": [choice]}
     if job.include_usage:
@@ -256,20 +326,41 @@ def _stream_chunk(run: _Run, c: _Choice, text: str, lps: list, first: bool = Fal
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
+_TEXT = "<jaxllm: the text goes here>"
+
+
+def _stream_chunk(run: _Run, d: _Delta) -> str:
+    c = d.choice
+    if d.logprobs or run.job.logprobs or d.finish is not None or not d.text:
+        return _chunk(run, c, d.text, d.logprobs, False, d.finish, d.offset)
+    # Most chunks: a running choice's new text and nothing else. Its event is built once as the
+    # text's two sides, so a token costs one json.dumps of its text.
+    if c.fragments is None:
+        head, _, tail = _chunk(run, c, _TEXT, [], False, None, 0).partition(json.dumps(_TEXT))
+        c.fragments = head, tail
+    head, tail = c.fragments
+    return head + json.dumps(d.text, ensure_ascii=False) + tail
+
+
 async def _stream(run: _Run):
     job = run.job
     if job.kind == "chat":
-        for c in run.choices:
-            yield _stream_chunk(run, c, "", [], first=True)
+        yield "".join(_chunk(run, c, "", [], True, None, 0) for c in run.choices)
     while not run.done():
-        c, text, lps = await run.next()
-        if c.finish == "error":
-            # after the headers went out, an error is an SSE event (openai-python raises on it)
-            err = APIError(500, f"the engine failed: {c.error}", None, "engine_error")
-            yield f"data: {json.dumps(err.body())}\n\n"
+        out, failed = [], False
+        for d in await run.take():
+            if d.finish == "error":
+                # after the headers went out, an error is an SSE event (openai-python raises on it)
+                err = APIError(500, f"the engine failed: {d.choice.error}", None, "engine_error")
+                out.append(f"data: {json.dumps(err.body())}\n\n")
+                failed = True
+                break
+            if d.text or d.logprobs or d.finish is not None:
+                out.append(_stream_chunk(run, d))
+        if out:  # what one engine step made, or several when this stream fell behind: one send
+            yield "".join(out)
+        if failed:
             break
-        if text or lps or c.finish is not None:
-            yield _stream_chunk(run, c, text, lps)
     else:
         if job.include_usage:
             chunk = {"id": run.id, "object": "chat.completion.chunk" if job.kind == "chat" else
@@ -279,28 +370,43 @@ async def _stream(run: _Run):
     yield "data: [DONE]\n\n"
 
 
-class _SSE(StreamingResponse):
-    """The stream of a run, whose unfinished choices are aborted however the response ends: a
-    client gone mid-stream (Starlette cancels the body), or before the body's first chunk (the
-    generator never starts, so a `finally` inside it would never run)."""
+class _SSE(Response):
+    """The stream of a run as a bare ASGI response (Starlette's StreamingResponse adds a task
+    group a request and a type check and encode a chunk): its body is raced against the client's
+    disconnect, and its unfinished choices are aborted however it ends, a client gone mid-stream
+    or before the first chunk."""
+
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
     def __init__(self, run: _Run):
-        super().__init__(_stream(run), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.run = run
+        self.run, self.status_code, self.background = run, 200, None
+        self.raw_headers = list(self.HEADERS)
+
+    async def _body(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for text in _stream(self.run):
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
+        body = asyncio.ensure_future(self._body(send))
+        gone = asyncio.ensure_future(_until_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (body, gone):
+                task.cancel()
             if self.run.abort():
                 self.run.state.metrics.aborted.inc()
+        if body.done() and not body.cancelled() and body.exception() is not None:
+            raise body.exception()
 
 
 async def _whole(run: _Run) -> dict:
     while not run.done():
-        c, _, _ = await run.next()
-        if c.finish == "error":
-            raise APIError(500, f"the engine failed: {c.error}", None, "engine_error")
+        for d in await run.take():
+            if d.finish == "error":
+                raise APIError(500, f"the engine failed: {d.choice.error}", None, "engine_error")
     tok, job = run.state.tokenizer, run.job
     choices = []
     for c in run.choices:
@@ -317,9 +423,9 @@ async def _whole(run: _Run) -> dict:
             "created": run.created, "model": job.model, "choices": choices, "usage": run.usage()}
 
 
-async def _until_disconnect(request: HTTPRequest) -> None:
+async def _until_disconnect(receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -335,7 +441,7 @@ async def _serve(state: ServerState, request: HTTPRequest, make_job) -> Response
         return _SSE(run)
     # Nothing tells a non-streaming handler that its client left: race it against the disconnect.
     answer = asyncio.ensure_future(_whole(run))
-    gone = asyncio.ensure_future(_until_disconnect(request))
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
         await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -361,6 +467,11 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
+        # This loop's streams and the engine thread share the interpreter lock. When a step's
+        # results arrive, the engine thread must get the lock back at once to dispatch the next
+        # step; by default it may wait 5 ms for the loop to let go, longer than a decode step.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, SWITCH_INTERVAL_S))
         engine.on_failure = lambda message: loop.call_soon_threadsafe(state.fail, message)
 
         def start() -> None:
@@ -378,6 +489,7 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
         if state.phase != "failed":
             state.phase = "draining"
         await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+        sys.setswitchinterval(switch)
 
     app = FastAPI(title="jaxllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.jaxllm = state
