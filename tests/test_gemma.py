@@ -206,10 +206,11 @@ def test_bf16_is_as_close_to_float32_as_transformers_bf16(tiny, name, tmp_path):
     assert rel_err(ours, reference) < 1.5 * rel_err(theirs, reference)
 
 
-def test_the_plan_keeps_gemma_on_xlas_forms_and_says_so(tiny, monkeypatch):
+def test_the_plan_gives_gemma_the_kernels_that_compute_it_and_says_so(tiny, monkeypatch):
     """With every kernel switched on (interpret mode, on a CPU), a Llama decode step takes them;
-    Gemma's takes none (its (1 + w) norms, GeGLU, post-norms, soft caps and two ropes are no
-    kernel's), and its decode logits stay transformers'."""
+    Gemma's takes the attention kernel (its score scale, soft cap, (1 + w) q/k norms and two ropes
+    are the kernel's switches) and XLA's forms for the rest, and its decode logits stay
+    transformers'."""
     tune(monkeypatch, decode_project="interpret", decode_attention="interpret", add_norm="interpret",
          rows_project="interpret", route="interpret")
     llama = tiny("llama").params
@@ -217,10 +218,10 @@ def test_the_plan_keeps_gemma_on_xlas_forms_and_says_so(tiny, monkeypatch):
     assert paths["attention"] == "kernel" and paths["qkv"] == paths["down"] == paths["lm_head"] == "project"
     for name in GEMMA:
         m = tiny(name)
-        plan = plan_module.step_plan(m.params, 1, 1, cache_length=32)
-        assert set(plan_module.describe(plan).values()) == {"xla"}, name
+        paths = plan_module.describe(plan_module.step_plan(m.params, 1, 1, cache_length=32))
+        assert paths.pop("attention") == "kernel", name
+        assert set(paths.values()) == {"xla"}, name
         assert not plan_module.fused_paths_allowed(m.params.config)
-        assert not plan_module.decode_attention_allowed(m.params.config)
     m = tiny("gemma3")
     tokens = random_tokens((1, 20), seed=4)
     cache = jaxllm.init_cache(m.params.config, 1, 32, m.params.dtype)

@@ -80,15 +80,6 @@ def fused_paths_allowed(cfg: ModelConfig) -> bool:
     return cfg.norm_offset == 0.0 and cfg.activation == "silu" and not cfg.post_norms
 
 
-def decode_attention_allowed(cfg: ModelConfig) -> bool:
-    """Whether the model's attention is one the decode-attention kernel computes: scores scaled by
-    H^-1/2 and not soft-capped, q/k norms (if any) plain, and one rope, whose table
-    (`transformer.rotation_table`) it reads. Gemma 2 caps its scores, Gemma 3 has a local and a
-    global rope and (1 + w) q/k norms: both take XLA's attention."""
-    return (cfg.attn_scale == cfg.head_dim ** -0.5 and cfg.attn_logit_softcap is None
-            and len(cfg.ropes) == 1 and cfg.norm_offset == 0.0)
-
-
 # --- the rules, one a kernel family (figures: docs/decisions/)
 
 def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int,
@@ -236,14 +227,14 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     its lm_head, as a prefill's, XLA's."""
     t = tuning or current()
     cfg, B, T = params.config, rows, tokens_per_row
-    inv_freq, _ = rope_frequencies(cfg)
     rope_scale = {rope: rope_frequencies(cfg, rope=rope)[1] for rope in cfg.ropes}
+    # the channels each rope rotates: the kernel rotates whole heads only
+    rotary_dim = min(2 * len(rope_frequencies(cfg, rope=rope)[0]) for rope in cfg.ropes)
     fusable = fused_paths_allowed(cfg)
     proj = decode_project_mode(params.dtype, B, t) if T == 1 and axis is None and fusable else None
     attention = None
-    if (T == 1 or verify_step(T, fresh, t)) and not fresh and cache_length is not None \
-            and decode_attention_allowed(cfg):
-        attention = decode_attention_mode(params.dtype, cfg.head_dim, 2 * len(inv_freq), kv_int8,
+    if (T == 1 or verify_step(T, fresh, t)) and not fresh and cache_length is not None:
+        attention = decode_attention_mode(params.dtype, cfg.head_dim, rotary_dim, kv_int8,
                                           cache_length, t, tokens=T, q_per_kv=cfg.q_per_kv)
     fuse = None if axis is not None or (T == 1 and proj is None) or not fusable else \
         add_norm_mode(params.dtype, t)

@@ -49,14 +49,14 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH, k_cache, v_cache = kernels.verify_attention(
             qkv_BTKJH, kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            tuning=tuning)
+            tuning=tuning, **_score_switches(cfg))
         return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     if fused is not None:  # rotation, cache writes and attention in one kernel
         start_B, rotation_P2R, interpret, split_out, tuning = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
             qkv_BTKJH[:, 0], kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            split_out=split_out, tuning=tuning)
+            split_out=split_out, tuning=tuning, **_score_switches(cfg))
         if isinstance(out_BKGH, kernels.SplitHeads):
             return out_BKGH, (k_cache, v_cache, None, None)
         return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
@@ -81,6 +81,12 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), rows(k_cache), rows(v_cache), mask_BTS,
                                 rows(k_scale), rows(v_scale), **scores)
     return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, k_scale, v_scale)
+
+
+def _score_switches(cfg: ModelConfig) -> dict:
+    """The attention kernels' static switches for the model's scores and q/k norms: its score scale
+    (Gemma's query_pre_attn_scalar), soft cap (Gemma 2) and norm offset (Gemma 3's (1 + w))."""
+    return dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, norm_offset=cfg.norm_offset)
 
 
 def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
@@ -140,12 +146,22 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None, rout
 # (`decode_step` without one, a sharded step) makes it itself.
 def rotation_table(config: ModelConfig, length: int):
     """cos and sin of every position below `length` (float32 [length, 2, R], the attention factor
-    included), as `kernels.decode_attention` takes them: of the global rope, the one rope of every
-    model the plan gives the kernel (`plan.decode_attention_allowed`)."""
-    inv_freq, rope_scale = rope_frequencies(config)
+    included), as `kernels.decode_attention` takes them: one table for a model of one rope, a
+    tuple of one a rope (`config.ropes`' order) for Gemma 3's global and local ones; a loop
+    passes it to each `step` as it is."""
     positions_S = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)
-    angles_SR = positions_S[:, None] * jnp.asarray(inv_freq)
-    return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
+
+    def table(rope):
+        inv_freq, rope_scale = rope_frequencies(config, rope=rope)
+        angles_SR = positions_S[:, None] * jnp.asarray(inv_freq)
+        return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
+    tables = tuple(table(rope) for rope in config.ropes)
+    return tables[0] if len(tables) == 1 else tables
+
+
+def _rope_tables(config: ModelConfig, rotation) -> dict:
+    """`rotation_table`'s tables by the rope they rotate with."""
+    return dict(zip(config.ropes, rotation if isinstance(rotation, tuple) else (rotation,)))
 
 
 class StepInputs(NamedTuple):
@@ -208,7 +224,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
         if plan.attention:  # every position's rotation, unless the caller made the table before its loop
             if rotation is None:
                 rotation = rotation_table(cfg, cache.length)
-            fused_args = (start_B, rotation)
+            fused_args = {rope: (start_B, table) for rope, table in _rope_tables(cfg, rotation).items()}
         masks = dict.fromkeys(windows) if plan.attention else \
             {w: L.visible_mask(q_slots_BT, start_B, cache.length, w) for w in windows}
     x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
@@ -228,7 +244,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
               cache.v_scale and cache.v_scale[i])
         next_norm, next_w = nexts[i]
         inputs = StepInputs(
-            end_B, positions_BT, masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT, fused_args,
+            end_B, positions_BT, masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT,
+            None if fused_args is None else fused_args[cfg.rope_of(i)],
             next_norm,
             # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
             # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
