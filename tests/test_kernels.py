@@ -1069,3 +1069,50 @@ def test_step_plan_names_each_paths_kernels_and_is_a_static_argument(monkeypatch
     assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=32)) and one != rows
     assert len(set(one.layers[:-1])) == 1  # the last layer differs only in what comes next
     assert jax.jit(lambda x, p: x + len(p.layers), static_argnums=1)(1, one) == 1 + len(one.layers)
+
+
+def test_gemmas_epilogues_equal_xla():
+    """GeGLU's tanh GELU in gate/up's kernels (one row, 16 rows, float and int8 weights), against
+    `layers.mlp`'s arithmetic in float32; the activation matters (silu's sums differ)."""
+    for M, call in [(1, kernels.project), (16, kernels.rows_project)]:
+        cases = _project_cases(M) if M == 1 else _rows_cases(M)
+        for name, x, w, kw in [c for c in cases if c[3].get("swiglu")]:
+            kw = dict(kw, activation="gelu_tanh")
+            out = call(x, w, mode="interpret", **kw)
+            normed = L.rms_norm(x, kw["norm_C"], 1e-6)
+            y = L.project(normed, w)
+            ref = L.ACTIVATION["gelu_tanh"](y[:, 0]) * y[:, 1]
+            assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, (M, name)
+            silu = call(x, w, mode="interpret", **dict(kw, activation="silu"))
+            assert rel_err(np.asarray(silu), np.asarray(ref)) > 1e-2, (M, name)
+
+
+@pytest.mark.parametrize("dtype, M", [(jnp.float32, 1), (jnp.float32, 5), (jnp.bfloat16, 1)])
+def test_add_norm_takes_gemmas_offset_and_post_norm(dtype, M):
+    """add_norm with (1 + w) norms, and with the delta through its own norm first (Gemma's
+    post-norms), against `layers.rms_norm`'s arithmetic: the sum exactly in float32 (one
+    rounding of the normed delta, then the add), the normed sum to float32's precision (bf16:
+    one last-bit flip)."""
+    key = jax.random.key(M)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    C = 80  # a masked tile of 128
+    x, delta = (r(0, (M, C)) * 3).astype(dtype), r(1, (M, C)).astype(dtype)
+    g, post = (r(i, (C,)) / 4 for i in (2, 3))  # (1 + w): weights about 0
+    g, post = g.astype(dtype), post.astype(dtype)
+    tol = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    for delta_norm in (None, post):
+        total, normed = kernels.add_norm(x, delta, g, 1e-5, offset=1.0, delta_norm_C=delta_norm,
+                                         mode="interpret")
+        d = delta if delta_norm is None else L.rms_norm(delta, delta_norm, 1e-5, 1.0)
+        ref_total = x + d
+        ref_normed = L.rms_norm(ref_total, g, 1e-5, 1.0)
+        assert total.dtype == normed.dtype == dtype
+        if dtype == jnp.float32:
+            assert rel_err(np.asarray(total), np.asarray(ref_total)) < 1e-6
+        else:
+            assert rel_err(np.asarray(total, np.float32), np.asarray(ref_total, np.float32)) < tol
+        assert rel_err(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32)) < tol
+        xla = kernels.add_norm(x, delta, g, 1e-5, offset=1.0, delta_norm_C=delta_norm, mode=None)
+        np.testing.assert_array_equal(np.asarray(xla[0]), np.asarray(ref_total))
+    plain = kernels.add_norm(x, delta, g, 1e-5, mode="interpret")[1]  # the offset matters
+    assert rel_err(np.asarray(plain, np.float32), np.asarray(normed, np.float32)) > 0.1

@@ -274,7 +274,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
     into the step (a step traced each of its 32 layers, about a second of a warm-cache first call
     for the 8B shape). The projections take `plan.projection`'s kernels: one row folds norms and
     epilogues into `kernels.project`, 8-32 rows take `kernels.rows_project` (their norms XLA's,
-    o's output paired with the residual by `add_norm`), none XLA's forms.
+    o's output paired with the residual by `add_norm`), none XLA's forms. Gemma's plan folds no
+    norm into a matrix and no residual into o or down: its post-norms go with the residual adds
+    (`_add_norm`).
     """
     cfg, eps, how = plan.cfg, plan.cfg.rms_norm_eps, plan.projection
     offset = cfg.norm_offset
@@ -298,15 +300,16 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
                                weights_first=first)
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, plan.axis)
-            if layer.post_attn_norm is not None:  # Gemma (whose plan takes this path, see plan.py)
-                out_BTD = L.rms_norm(out_BTD, layer.post_attn_norm, eps, offset)
+        # Gemma's norm of the attention's output goes with the residual add (its plan folds no
+        # residual into o)
         x_BTD, normed_BTD = (out_BTD, None) if plan.ffn_norm_folded else \
-            _add_norm(plan.add_norm, x_BTD, out_BTD, layer.mlp_norm, eps, digits=plan.ffn_digits,
-                      tuning=how.tuning)
+            _add_norm(plan.add_norm, x_BTD, out_BTD, layer.mlp_norm, eps, offset,
+                      layer.post_attn_norm, digits=plan.ffn_digits, tuning=how.tuning)
     with jax.named_scope("moe" if plan.moe else "mlp"):
         if plan.ffn_kernel:
             act_BTF = _normed_project(how, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
-                                      eps, swiglu=True, prefetch=(layer.w_down,) if down_ahead else (),
+                                      eps, offset, swiglu=True, activation=cfg.activation,
+                                      prefetch=(layer.w_down,) if down_ahead else (),
                                       weights_first=first, down_digits_of=inputs.down_bounds,
                                       wide=plan.gate_up_wide)
             out_BTD = _project(how, act_BTF, layer.w_down,
@@ -317,24 +320,26 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
             if normed_BTD is None:
                 normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps, offset)
             out_BTD = _ffn_block(cfg, plan.moe, layer, normed_BTD, plan.axis, plan.route, how.tuning)
-            if layer.post_mlp_norm is not None:  # Gemma
-                out_BTD = L.rms_norm(out_BTD, layer.post_mlp_norm, eps, offset)
         # next_folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
         return (out_BTD, None, kv) if plan.next_folds else \
-            (*_add_norm(plan.add_norm, x_BTD, out_BTD, inputs.next_norm, eps,
-                        digits=plan.next_digits, tuning=how.tuning), kv)
+            (*_add_norm(plan.add_norm, x_BTD, out_BTD, inputs.next_norm, eps, offset,
+                        layer.post_mlp_norm, digits=plan.next_digits, tuning=how.tuning), kv)
 
 
-def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False,
-              tuning=None):
+def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, offset: float = 0.0,
+              delta_norm_D=None, digits: bool = False, tuning=None):
     """(x + delta, its rms_norm by norm_D) through `kernels.add_norm` under `mode`; (x + delta,
     None) when there is no mode or no norm to apply, the consumer norming it itself. With
-    `digits` the normed row may come as a `kernels.DigitRow` (its x [B, T, D])."""
+    `digits` the normed row may come as a `kernels.DigitRow` (its x [B, T, D]). Gemma's: norms of
+    scale (offset + w), and delta through its norm `delta_norm_D` before the add."""
     if mode is None or norm_D is None:
+        if delta_norm_D is not None:
+            delta_BTD = L.rms_norm(delta_BTD, delta_norm_D, eps, offset)
         return x_BTD + delta_BTD, None
     B, T, D = x_BTD.shape
     sum_MD, normed = kernels.add_norm(x_BTD.reshape(B * T, D), delta_BTD.reshape(B * T, D),
-                                      norm_D, eps, mode=mode, digits=digits, tuning=tuning)
+                                      norm_D, eps, offset=offset, delta_norm_C=delta_norm_D,
+                                      mode=mode, digits=digits, tuning=tuning)
     if isinstance(normed, kernels.DigitRow):
         return sum_MD.reshape(B, T, D), normed.replace(x=normed.x.reshape(B, T, D))
     return sum_MD.reshape(B, T, D), normed.reshape(B, T, D)
@@ -371,7 +376,8 @@ def _project(how: Projection, x_BTC, w, *, residual=None, **kw):
     residual_MN = None if residual is None else residual.reshape(B * T, -1)
     if how.family == "rows":  # no prefetch, weights order, digits or wide programs there
         y_MN = kernels.rows_project(x_MC, w, residual_MN=residual_MN, mode=how.mode, tuning=how.tuning,
-                                    **{k: v for k, v in kw.items() if k in ("norm_C", "eps", "bias_N", "swiglu")})
+                                    **{k: v for k, v in kw.items()
+                                       if k in ("norm_C", "eps", "bias_N", "swiglu", "activation")})
     else:
         y_MN = kernels.project(x_MC, w, residual_MN=residual_MN, mode=how.mode, tuning=how.tuning, **kw)
     if isinstance(y_MN, kernels.DigitRow):  # gate/up's output for down, with its digits
