@@ -62,6 +62,10 @@ def test_attention_kernel_takes_at_most_128_query_rows_a_program():
     assert not attention_supports(128, 128, False, 384, True, tokens=9, q_per_kv=9)
     assert attention_supports(128, 128, False, 384, True, tokens=8, q_per_kv=16)
     assert attention_supports(128, 128, False, 384, True, q_per_kv=64)  # one token: no such limit
+    # heads of 256 (Gemma's): 64 rows, so the float32 sums fit as 128 rows of 128 do
+    assert attention_supports(256, 256, False, 384, True, tokens=9, q_per_kv=4)  # 16 x 4
+    assert not attention_supports(256, 256, False, 384, True, tokens=9, q_per_kv=8)  # 16 x 8
+    assert attention_supports(256, 256, False, 384, True, tokens=8, q_per_kv=8)  # 8 x 8
 
 
 def _verify_step(params, T: int, cache_length: int = 32):
