@@ -33,8 +33,8 @@ def int8_tiled(w_NC, tuning: KernelTuning | None = None) -> bool:
 
 
 def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
-            swiglu: bool = False, activation: str = "silu", out_dtype=None, mode: str | None = None, prefetch=(),
-            weights_first: bool = False, down_digits_of=None, wide: bool | None = None,
+            swiglu: bool = False, activation: str = "silu", out_dtype=None, mode: str | None = None,
+            prefetch=(), weights_first: bool = False, down_digits_of=None, wide: bool | None = None,
             tuning: KernelTuning | None = None):
     """[residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or with `swiglu` (w [2, F, C]: gate
     and up) act(gate) * up, act silu or `activation` (`common.GATES`: Gemma's "gelu_tanh"): XLA's
@@ -101,8 +101,9 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     ahead = () if interpret else tuple(  # int8 bytes only: the scales are few
         stored(w) for w in prefetch)
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead, eps=eps,
-                                swiglu=swiglu, activation=activation, out_dtype=jnp.dtype(out_dtype), rows=rows,
-                                chunk=chunk, warps=warps, interpret=interpret,
+                                swiglu=swiglu, activation=activation,
+                                out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
+                                warps=warps, interpret=interpret,
                                 lines=t.prefetch_lines and not weights_first,
                                 weights_first=weights_first and heads is None and C <= chunk,
                                 squares_last=t.squares_last and float_w,

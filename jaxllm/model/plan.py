@@ -273,7 +273,8 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
             continue
         moe = cfg.is_moe(i)
         next_w, next_bias = nexts[i]
-        ffn_kernel = bool(proj) and not moe and f.gate_kernel and project_supports(layer.w_gate_up, True, tuning=t)
+        ffn_kernel = (bool(proj) and not moe and f.gate_kernel
+                      and project_supports(layer.w_gate_up, True, tuning=t))
         ahead = [bool(proj) and prefetched(w, t) for w in (layer.wo, None if moe else layer.w_gate_up,
                                                             None if moe else layer.w_down, next_w)]
         layers.append(LayerPlan(
@@ -281,7 +282,8 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
             split_out=proj is not None, ffn_kernel=ffn_kernel,
             ffn_norm_folded=ffn_kernel and f.fold_norms and f.fold_residual
             and project_folds_norm(layer.w_gate_up, proj, swiglu=True, tuning=t),
-            ffn_digits=ffn_kernel and f.digits and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t),
+            ffn_digits=ffn_kernel and f.digits
+            and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t),
             down_digits=i in down_at, next_folds=ffn_kernel and f.fold_residual and next_takes[i],
             # a one-token prefill (fresh) keeps a plain normed row, which it reorders with x
             next_digits=proj is not None and not fresh and project_digits(next_w, proj, biased=next_bias, tuning=t),
