@@ -93,9 +93,15 @@ def model_fusions(cfg: ModelConfig) -> ModelFusions:
 
 # --- the rules, one a kernel family (figures: docs/decisions/)
 
+def score_switches(cfg: ModelConfig) -> dict:
+    """The attention kernels' static switches for the model's scores and q/k norms: its score scale
+    (Gemma's query_pre_attn_scalar), soft cap (Gemma 2) and norm offset (Gemma 3's (1 + w))."""
+    return dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, norm_offset=cfg.norm_offset)
+
+
 def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int,
                           tuning: KernelTuning | None = None, tokens: int = 1,
-                          q_per_kv: int = 1) -> str | None:
+                          q_per_kv: int = 1, **switches) -> str | None:
     """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel
     (`decode_attention`; a verify step's `tokens` a row, of `q_per_kv` queries a KV head,
     `verify_attention`): a float16/bfloat16 model (float32 keeps XLA's exact form) within the
@@ -105,7 +111,10 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, 
     if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu",
                                            tokens, q_per_kv):
         return None
-    return compiles("decode_attention" if tokens == 1 else "verify_attention", m, t)
+    # compiled at the model's head size, group and score `switches` (scale, softcap, norm_offset,
+    # qk_norm): a Gemma's heads of 256 ask the GPU more than the probe's default
+    return compiles("decode_attention" if tokens == 1 else "verify_attention", m, t, head_dim=head_dim,
+                    q_per_kv=q_per_kv, **switches)
 
 
 def verify_step(tokens_per_row: int, fresh: bool, tuning: KernelTuning | None = None) -> bool:
@@ -246,7 +255,8 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     attention = None
     if (T == 1 or verify_step(T, fresh, t)) and not fresh and cache_length is not None:
         attention = decode_attention_mode(params.dtype, cfg.head_dim, rotary_dim, kv_int8,
-                                          cache_length, t, tokens=T, q_per_kv=cfg.q_per_kv)
+                                          cache_length, t, tokens=T, q_per_kv=cfg.q_per_kv,
+                                          qk_norm=cfg.qk_norm, **score_switches(cfg))
     fuse = None if axis is not None or (T == 1 and proj is None) else add_norm_mode(params.dtype, t)
     rows_mode = _rows_mode(params, B, T, axis, fresh, t)
     route = route_mode(params.dtype, t) if axis is None else None

@@ -20,7 +20,7 @@ from jaxllm.model import sharding
 from jaxllm.model.cache import KVCache, init_cache
 from jaxllm.model.config import ModelConfig, rope_frequencies
 from jaxllm.model.params import Layer, Params
-from jaxllm.model.plan import LayerPlan, Projection, StepPlan, step_plan
+from jaxllm.model.plan import LayerPlan, Projection, StepPlan, score_switches, step_plan
 from jaxllm.runtime import AUTOTUNE_OPTIONS
 
 
@@ -49,14 +49,14 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH, k_cache, v_cache = kernels.verify_attention(
             qkv_BTKJH, kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            tuning=tuning, **_score_switches(cfg))
+            tuning=tuning, **score_switches(cfg))
         return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     if fused is not None:  # rotation, cache writes and attention in one kernel
         start_B, rotation_P2R, interpret, split_out, tuning = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
             qkv_BTKJH[:, 0], kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            split_out=split_out, tuning=tuning, **_score_switches(cfg))
+            split_out=split_out, tuning=tuning, **score_switches(cfg))
         if isinstance(out_BKGH, kernels.SplitHeads):
             return out_BKGH, (k_cache, v_cache, None, None)
         return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
@@ -81,12 +81,6 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), rows(k_cache), rows(v_cache), mask_BTS,
                                 rows(k_scale), rows(v_scale), **scores)
     return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, k_scale, v_scale)
-
-
-def _score_switches(cfg: ModelConfig) -> dict:
-    """The attention kernels' static switches for the model's scores and q/k norms: its score scale
-    (Gemma's query_pre_attn_scalar), soft cap (Gemma 2) and norm offset (Gemma 3's (1 + w))."""
-    return dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, norm_offset=cfg.norm_offset)
 
 
 def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
