@@ -90,6 +90,63 @@ def test_draft_equal_to_target_accepts_everything(tiny):
     assert out.stats.tokens_per_step == 4.0  # 24 tokens after the prefill's, 6 rounds a row
 
 
+def _tuned(monkeypatch, **kw):
+    monkeypatch.setattr(spec, "TUNING", dataclasses.replace(spec.TUNING, **kw))
+
+
+@pytest.mark.parametrize("pausing", [dict(verify_cost=0.0), dict(verify_cost=99.0, min_pause=2, max_pause=8)])
+def test_adaptive_k_changes_no_token(tiny, drafts, monkeypatch, pausing):
+    """Default k, adaptive: never pausing, or pausing after every verify round (the rounds that
+    do not pay, doubling the pause), the answer is plain greedy's; a paused draft model catches
+    up on the plain steps' tokens, so the target as its own draft still accepts everything."""
+    _tuned(monkeypatch, **pausing)
+    params = tiny("llama").params
+    prompts = _prompts()
+    plain = jaxllm.generate(params, prompts, max_new_tokens=24, eos_token_ids=[])
+    for proposer in ("ngram", drafts("llama"), params):
+        out = jaxllm.generate(params, prompts, max_new_tokens=24, eos_token_ids=[], speculative=proposer)
+        _same(out, plain)
+        assert 0 < out.stats.verify_rounds
+        if pausing["verify_cost"] > 0:  # verify rounds, then pauses of 2, 4, 8, 8 ... plain steps
+            assert out.stats.verify_rounds <= 6
+    assert out.stats.acceptance_rate == 1.0
+    if not pausing["verify_cost"]:
+        assert out.stats.verify_rounds == out.stats.rounds  # the target as its draft: never paused
+
+
+def test_default_decodes_plainly_above_the_batch_limit(tiny, monkeypatch):
+    _tuned(monkeypatch, max_batch=2)
+    params = tiny("llama").params
+    prompts = _prompts()
+    plain = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[])
+    out = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=params)
+    _same(out, plain)
+    assert out.stats.off_at_batch and out.stats.verify_rounds == 0 and out.stats.tokens_per_step == 1.0
+    fixed = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=params,
+                            num_speculative=3)  # a fixed k speculates at any batch
+    _same(fixed, plain)
+    assert not fixed.stats.off_at_batch and fixed.stats.verify_rounds > 0
+    assert jaxllm.generate(params, prompts[:2], max_new_tokens=16, eos_token_ids=[],
+                           speculative=params).stats.verify_rounds > 0
+
+
+def test_a_round_without_a_match_takes_the_plain_step(tiny):
+    """Prompt lookup verifies only where the last two tokens occurred before: over 16 distinct
+    prompt tokens and an answer without a repeated pair, every step is a plain one; an answer
+    that repeats one (109, 109, 109) verifies once, there."""
+    params = tiny("llama").params
+    for first, verified in ((3, 0), (20, 1)):
+        prompt = [list(range(first, first + 16))]
+        plain = jaxllm.generate(params, prompt, max_new_tokens=8, eos_token_ids=[])
+        out = jaxllm.generate(params, prompt, max_new_tokens=8, eos_token_ids=[], speculative="ngram",
+                              num_speculative=3)
+        _same(out, plain)
+        answer = [*prompt[0], *np.asarray(plain.tokens[0]).tolist()]
+        pairs = [tuple(answer[i:i + 2]) for i in range(len(answer) - 1)]
+        assert len(pairs) - len(set(pairs)) == verified  # the premise
+        assert out.stats.verify_rounds == verified and out.stats.rounds == 7
+
+
 def test_stop_inside_an_accepted_run_and_max_new_mid_round(tiny):
     """The draft is the target, so every round accepts 3: a stop token at the 6th new token and a
     max_new_tokens of 23 (1 + 5 rounds of 4 + 2 of a round's 4) both fall inside accepted runs."""
@@ -238,10 +295,10 @@ def law_setup(tiny, drafts):
     return params, draft, prompt, _exact_law(params, prompt)
 
 
-def _sampled(params, draft, prompt, rows, seed0=0):
+def _sampled(params, draft, prompt, rows, seed0=0, k=K):
     out = jaxllm.generate(params, [prompt] * rows, max_new_tokens=L, eos_token_ids=[], temperature=1.0,
                           top_k=TOP_K, seed=list(range(seed0, seed0 + rows)), speculative=draft,
-                          num_speculative=K)
+                          num_speculative=k)
     return np.asarray(out.tokens), out.stats
 
 
@@ -250,6 +307,18 @@ def test_sampled_law_is_the_targets(law_setup):
     params, draft, prompt, law = law_setup
     tokens, stats = _sampled(params, draft, prompt, 6000)
     assert 0 < stats.histogram[K] and 0 < stats.histogram[0]  # bonus tokens and rejections drawn
+    stat, bound = _chi_square(law, tokens)
+    assert stat < bound, (stat, bound, stats)
+
+
+@pytest.mark.slow
+def test_sampled_law_with_adaptive_pauses_is_the_targets(law_setup, monkeypatch):
+    """Adaptive k (a draft's default k of 3) pausing after each verify round that does not return
+    all its drafts: the first L tokens mix verify rounds and plain steps, and keep the target's law."""
+    _tuned(monkeypatch, verify_cost=3.9, min_pause=1, max_pause=1)
+    params, draft, prompt, law = law_setup
+    tokens, stats = _sampled(params, draft, prompt, 6000, k=None)
+    assert 0 < stats.verify_rounds < stats.rounds, stats
     stat, bound = _chi_square(law, tokens)
     assert stat < bound, (stat, bound, stats)
 
