@@ -396,14 +396,14 @@ def _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, 
     width, made = tokens.shape[1], 0
     while True:
         out_W, done, count = (np.asarray(x[0]) for x in jax.device_get((carry.seq_BS[:, width:], carry.done_B,
-                                                                        spec_mod.counts(carry, width))))
+                                                                        carry.count_B)))
         for token in out_W[made:min(int(count), max_new_tokens)]:
             made += 1
             yield int(token)
             if int(token) in stops:
-                return spec_mod.make_stats(spec.k, spec_mod.totals(carry, width), [made])
+                return spec_mod.make_stats(spec.k, spec_mod.totals(carry), [made])
         if done or made >= max_new_tokens:
-            return spec_mod.make_stats(spec.k, spec_mod.totals(carry, width), [made])
+            return spec_mod.make_stats(spec.k, spec_mod.totals(carry), [made])
         carry = core(*args, carry, carry.r + 1, **static)[3]
 
 

@@ -349,13 +349,11 @@ class Policy(NamedTuple):
 
 
 class Carry(NamedTuple):
-    """The loop's state. A row's output count, the pending token included, is its cache end less
-    the prompt's width, plus 1 (`counts`): the pending token's slot is its column in seq_BS."""
-
     r: jax.Array  # target steps after the prefill (plain and verify)
     cache: KVCache
     seq_BS: jax.Array  # int32 [B, Tb + W]: the padded prompt, then each row's output
     token_B: jax.Array  # each row's pending token (its last output, not yet in the cache)
+    count_B: jax.Array  # output tokens a row, the pending one included
     done_B: jax.Array
     history: tuple
     pstate: object
@@ -395,28 +393,30 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
 
     def context(c: Carry, keys_B=None) -> Context:
         keys_B = jnp.zeros((B,), jnp.uint32) if keys_B is None else keys_B  # unread where None
-        return Context(c.seq_BS, Tb, c.token_B, counts(c, Tb), c.r, c.history, sampling, flags, keys_B)
+        return Context(c.seq_BS, Tb, c.token_B, c.count_B, c.r, c.history, sampling, flags, keys_B)
 
     def next_go(c: Carry, policy: Policy):
         ready_B = proposer.ready(aux, c.pstate, context(c)) & ~c.done_B
         return jnp.any(ready_B) & (c.r >= policy.resume) if spec.adaptive else jnp.any(ready_B)
 
     # A plain step: generate's body (step, pick, output write, stop test) and the test for the
-    # next step; a done row's slot is taken back, so its cache end (and count) never moves.
+    # next step; a done row's slot is taken back, so its cache end never moves.
     def plain(c: Carry) -> Carry:
         logits_BV, cache = step(params, c.token_B[:, None], c.cache, rotation=rotation)
-        new_B = choose(logits_BV, c.history, sampling, counts(c, Tb), flags)
-        # The new token's column is the cache's new end. A select over the row, not a scatter:
-        # one elementwise kernel and no index arithmetic
-        seq_BS = jnp.where(s_S[None] == cache.end[:, None], new_B[:, None], c.seq_BS)
-        history = record(c.history, new_B, ~c.done_B)
+        new_B = choose(logits_BV, c.history, sampling, c.count_B, flags)
+        live_B = ~c.done_B
+        # A select over the row, not a scatter: one elementwise kernel and no index arithmetic
+        seq_BS = jnp.where(s_S[None] == (Tb + c.count_B)[:, None], new_B[:, None], c.seq_BS)
+        history = record(c.history, new_B, live_B)
+        count_B = c.count_B + live_B.astype(jnp.int32)
         cache = cache.replace(end=cache.end - c.done_B.astype(jnp.int32))
-        done_B = c.done_B | is_stop(new_B, stop_ids) | (cache.end - (Tb - 1) >= max_new)
-        c = c._replace(r=c.r + 1, cache=cache, seq_BS=seq_BS, token_B=new_B, done_B=done_B, history=history)
+        done_B = c.done_B | is_stop(new_B, stop_ids) | (count_B >= max_new)
+        c = c._replace(r=c.r + 1, cache=cache, seq_BS=seq_BS, token_B=new_B, count_B=count_B, done_B=done_B,
+                       history=history)
         return c._replace(go=next_go(c, c.policy))
 
     def verify(c: Carry) -> Carry:
-        count_B = counts(c, Tb)
+        count_B = c.count_B
         keys_B = None if flags.greedy and spec.synthetic is None else round_keys(sampling.seed, count_B)
         ctx = context(c, keys_B)
         (d_BK, valid_BK, q_BKV), pstate = proposer.propose(aux, c.pstate, ctx, K)
@@ -456,7 +456,8 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
             for j in range(K + 1):
                 history = record(history, emit_BJ[:, j], keep_BJ[:, j])
         stop_B = jnp.any(is_stop(emit_BJ, stop_ids) & keep_BJ, axis=1)
-        done_B = c.done_B | stop_B | (count_B + kept_B >= max_new)
+        count_B = count_B + kept_B
+        done_B = c.done_B | stop_B | (count_B >= max_new)
         live = live_B.astype(jnp.int32)
         drafted = jnp.sum(jnp.sum(valid_BK, axis=1) * live)
         s = c.stats
@@ -470,7 +471,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
             policy = Policy(mean=mean, resume=jnp.where(pays, 0, c.r + 1 + policy.pause),
                             pause=jnp.where(pays, tuning.min_pause, jnp.minimum(2 * policy.pause, tuning.max_pause)),
                             probe=~pays)
-        c = Carry(c.r + 1, cache, seq_BS, x_B, done_B, history, pstate, c.go, policy, stats)
+        c = Carry(c.r + 1, cache, seq_BS, x_B, count_B, done_B, history, pstate, c.go, policy, stats)
         return c._replace(go=next_go(c, policy))
 
     def live(c: Carry):
@@ -493,31 +494,25 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
                      hist=jnp.zeros((K + 1,), jnp.int32))
         policy = Policy(mean=jnp.float32(0), resume=jnp.int32(0), pause=jnp.int32(tuning.min_pause),
                         probe=jnp.bool_(True))
-        carry = Carry(jnp.int32(0), cache, seq_BS, token_B, done_B, history, pstate, jnp.bool_(False), policy,
-                      stats)
+        carry = Carry(jnp.int32(0), cache, seq_BS, token_B, jnp.ones((B,), jnp.int32), done_B, history, pstate,
+                      jnp.bool_(False), policy, stats)
         carry = carry._replace(go=next_go(carry, policy))
         if until is not None:  # stream: the prefill's token first
             return (None, None, None, carry) if keep else None
     carry = jax.lax.while_loop(live, outer, carry)
     out_BN = carry.seq_BS[:, Tb:Tb + steps]
     n_N = jnp.arange(steps, dtype=jnp.int32)
-    made_B = jnp.minimum(counts(carry, Tb), max_new)
+    made_B = jnp.minimum(carry.count_B, max_new)
     stop_BN = is_stop(out_BN, stop_ids) & (n_N[None] < made_B[:, None])
     lengths_B = jnp.where(jnp.any(stop_BN, axis=1), jnp.argmax(stop_BN, axis=1) + 1, made_B)
-    result = jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), totals(carry, Tb)
+    result = jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), totals(carry)
     return result + (carry,) if keep else result
 
 
-def counts(carry: Carry, width: int):
-    """int32 [B]: each row's output tokens, the pending one included."""
-    return carry.cache.end - (width - 1)
-
-
-def totals(carry: Carry, width: int) -> dict:
+def totals(carry: Carry) -> dict:
     """The loop's counters (device arrays) for `make_stats`: a live row's target steps are its
     tokens after the first, less the drafts it had accepted."""
-    return dict(carry.stats, rounds=carry.r,
-                row_rounds=jnp.sum(counts(carry, width) - 1) - carry.stats["accepted"])
+    return dict(carry.stats, rounds=carry.r, row_rounds=jnp.sum(carry.count_B - 1) - carry.stats["accepted"])
 
 
 def _synthetic(keys_B, K: int, rate: float):
