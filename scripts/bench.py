@@ -79,7 +79,9 @@ describe; the line also has speculate, num_speculative (null: adaptive), synthet
 verify_cost (the tuning adaptive k pauses by), spec_default_on (whether generate's default would
 speculate at this batch: bench speculates at every batch, the default only up to
 SpecTuning.max_batch rows), plain_generate_s, plain_tokens, plain_tokens_per_s, spec_tokens,
-spec_tokens_per_s, speedup (spec_tokens_per_s over plain_tokens_per_s) and spec (the SpecStats:
+spec_tokens_per_s, speedup (spec_tokens_per_s over plain_tokens_per_s), rows_same_as_plain (the
+share of rows whose answer is plain generate's, token for token: greedy speculation makes the same
+tokens but for rounding, the verify step's sums being in another order) and spec (the SpecStats:
 k, rounds, verify_rounds, row_rounds, drafted, accepted, histogram, tokens, off_at_batch,
 acceptance_rate, tokens_per_step). With --prompt-set (real prompts, rows stopping at the model's
 end of turn) the line has prompt_set, and without speculation tokens (the tokens made); a decode
@@ -702,7 +704,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
 
     spec_fields = {} if prompts is None else dict(prompt_set=prompts)
     if speculative:  # the plain baseline from the same run, then the speculative calls below
-        plain_tokens = int(np.sum(np.asarray(_wait(generate(speculative=None)).lengths)))
+        plain_out = _wait(generate(speculative=None))
+        plain_tokens = int(np.sum(np.asarray(plain_out.lengths)))
         plain_s, _ = _median_time(lambda: generate(speculative=None), args.repeat)
         from jaxllm.engine import speculative as spec_mod
         spec_fields.update(speculate=args.speculate or args.draft_model or args.draft_preset,
@@ -725,7 +728,10 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     if speculative:
         stats = out.stats
         made = int(np.sum(lengths))
+        same = [np.array_equal(np.asarray(a)[:n], np.asarray(b)[:m]) for a, b, n, m in
+                zip(out.tokens, plain_out.tokens, lengths, np.asarray(plain_out.lengths))]
         spec_fields.update(spec=stats.as_dict(), spec_tokens=made, spec_tokens_per_s=made / generate_s,
+                           rows_same_as_plain=sum(same) / len(same),
                            speedup=made / generate_s / spec_fields["plain_tokens_per_s"])
         log(f"bench: speculative: {made / generate_s:.1f} tokens/s against {spec_fields['plain_tokens_per_s']:.1f} "
             f"plain ({spec_fields['speedup']:.2f}x); {stats.tokens_per_step:.2f} tokens per target step, "

@@ -130,13 +130,13 @@ def test_bench_speculative_lines_carry_the_plain_baseline_and_the_acceptance():
     """--speculate ngram at batches 1 and 12 (past the default's batch limit: bench speculates
     there too, and says the default would not)."""
     proc = _bench("--preset", "tiny", "--batch", "1,12", "--prompt-len", "8", "--new-tokens", "16", "--repeat", "1",
-                  "--speculate", "ngram", "--num-speculative", "3")
+                  "--speculate", "ngram", "--num-speculative", "3", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["batch"] for r in runs] == [1, 12] and [r["spec_default_on"] for r in runs] == [True, False]
     for r in runs:
         assert r["error"] is None and r["speculate"] == "ngram" and r["num_speculative"] == 3
-        assert r["plain_tokens"] == r["spec_tokens"] == 16 * r["batch"]
+        assert r["plain_tokens"] == r["spec_tokens"] == 16 * r["batch"] and r["rows_same_as_plain"] == 1.0
         assert r["plain_tokens_per_s"] == pytest.approx(r["plain_tokens"] / r["plain_generate_s"])
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"])
         stats = r["spec"]
