@@ -1,5 +1,5 @@
 """Speculative decoding: propose k tokens a row, check them with one target step over k+1
-positions, keep the longest run the target agrees with, all inside one `lax.while_loop`.
+positions, keep the longest run the target agrees with, all inside one jitted loop.
 
 A verify round, per row: the pending token x (emitted, not yet in the cache) and drafts
 d_1..d_k go through `step(..., all_logits=True)` at the row's end; the target's distributions
@@ -15,8 +15,9 @@ The loop alternates two inner loops: verify rounds while the next round has a dr
 one-token steps (generate's own step and pick) while it has none, because no row's last tokens
 match anything (prompt lookup) or because speculation is paused (adaptive k: a batch whose verify
 rounds return fewer tokens than they cost pauses for a number of plain steps that doubles while
-the probe after it fails). After each step a cheap test (`Proposer.ready`) decides which loop
-runs next, so a plain step pays only that test beside its step: no branch, no proposal.
+the probe after it fails; a draft model also runs fewer steps while its acceptance is low).
+After each step a cheap test (`Proposer.ready`) decides which loop runs next, so a plain step
+pays only that test beside its step: no branch, no proposal.
 
 Proposers: `NGram` (prompt lookup: the tokens after the latest earlier occurrence of the row's
 last n tokens in its prompt and output; q is one-hot) and `Draft` (a second model sharing the
@@ -53,7 +54,7 @@ class SpecTuning:
     # decodes plainly, as a verify step over B * (k + 1) tokens stops being nearly free.
     max_batch: int = 8
     # A verify step's time in plain steps: a batch keeps speculating while its moving mean of
-    # tokens a live row gains a verify round is at least this.
+    # tokens a live row gains a verify round is at least this (plus a draft model's steps).
     verify_cost: float = 1.5
     decay: float = 0.8  # the moving mean's weight of the past
     min_pause: int = 4  # plain steps after a verify round that did not pay
