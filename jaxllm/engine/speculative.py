@@ -448,7 +448,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
         ctx = context(c, keys_B, limit)
         (d_BK, valid_BK, q_BKV), pstate = proposer.propose(aux, c.pstate, ctx, K)
         logits_BJV, cache = step(params, jnp.concatenate([c.token_B[:, None], d_BK], axis=1), c.cache,
-                                 all_logits=True)
+                                 rotation=rotation, all_logits=True)  # verify_attention's table too
         logits_BJV = _target_choices(logits_BJV, c.history, d_BK, sampling, flags)
         if flags.greedy:
             x_BJ = argmax(logits_BJV.reshape(B * (K + 1), -1)).reshape(B, K + 1)
