@@ -138,6 +138,8 @@ def test_speculative_greedy_through_the_kernels_equals_plain_greedy(monkeypatch,
                               speculative=proposer, num_speculative=k)
         np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
         np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
-        assert out.stats.verify_rounds > 0
+        # the target as its own draft verifies every round; prompt lookup needs its two-token
+        # matches, which a tiny random model's output may never give after the prompt
+        assert out.stats.verify_rounds > 0 or proposer == "ngram"
     assert attended and set(attended) == {k + 1}
     jax.clear_caches()
