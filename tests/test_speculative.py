@@ -41,10 +41,15 @@ def _same(a, b):
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
 
 
+# Prompt lookup from one matching token: random tiny models' answers seldom repeat a pair, so
+# the default (two) would verify too seldom to test much
+LOOKUP1 = spec.NGram(min_n=1)
+
+
 def _greedy_identity(params, draft, new=24, k=3, **kw):
     prompts = _prompts()
     plain = jaxllm.generate(params, prompts, max_new_tokens=new, eos_token_ids=[], **kw)
-    for proposer in ("ngram", draft):
+    for proposer in (LOOKUP1, draft):
         out = jaxllm.generate(params, prompts, max_new_tokens=new, eos_token_ids=[], speculative=proposer,
                               num_speculative=k, **kw)
         _same(out, plain)
@@ -74,7 +79,7 @@ def test_greedy_equals_plain_to_the_end_of_the_context(tiny, drafts):
     params = tiny("llama_dynamic").params
     prompt = [random_tokens(20, seed=3).tolist() * 2]
     plain = jaxllm.generate(params, prompt, max_new_tokens=24, eos_token_ids=[])
-    for proposer in ("ngram", drafts("llama_dynamic")):
+    for proposer in (LOOKUP1, drafts("llama_dynamic")):
         _same(jaxllm.generate(params, prompt, max_new_tokens=24, eos_token_ids=[], speculative=proposer,
                               num_speculative=5), plain)
 
@@ -88,6 +93,63 @@ def test_draft_equal_to_target_accepts_everything(tiny):
     _same(out, plain)
     assert out.stats.histogram[:3] == (0, 0, 0) and out.stats.acceptance_rate == 1.0
     assert out.stats.tokens_per_step == 4.0  # 24 tokens after the prefill's, 6 rounds a row
+
+
+def _tuned(monkeypatch, **kw):
+    monkeypatch.setattr(spec, "TUNING", dataclasses.replace(spec.TUNING, **kw))
+
+
+@pytest.mark.parametrize("pausing", [dict(verify_cost=0.0), dict(verify_cost=99.0, min_pause=2, max_pause=8)])
+def test_adaptive_k_changes_no_token(tiny, drafts, monkeypatch, pausing):
+    """Default k, adaptive: never pausing, or pausing after every verify round (the rounds that
+    do not pay, doubling the pause), the answer is plain greedy's; a paused draft model catches
+    up on the plain steps' tokens, so the target as its own draft still accepts everything."""
+    _tuned(monkeypatch, **pausing)
+    params = tiny("llama").params
+    prompts = _prompts()
+    plain = jaxllm.generate(params, prompts, max_new_tokens=24, eos_token_ids=[])
+    for proposer in ("ngram", drafts("llama"), params):
+        out = jaxllm.generate(params, prompts, max_new_tokens=24, eos_token_ids=[], speculative=proposer)
+        _same(out, plain)
+        assert 0 < out.stats.verify_rounds
+        if pausing["verify_cost"] > 0:  # verify rounds, then pauses of 2, 4, 8, 8 ... plain steps
+            assert out.stats.verify_rounds <= 6
+    assert out.stats.acceptance_rate == 1.0
+    if not pausing["verify_cost"]:
+        assert out.stats.verify_rounds == out.stats.rounds  # the target as its draft: never paused
+
+
+def test_default_decodes_plainly_above_the_batch_limit(tiny, monkeypatch):
+    _tuned(monkeypatch, max_batch=2)
+    params = tiny("llama").params
+    prompts = _prompts()
+    plain = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[])
+    out = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=params)
+    _same(out, plain)
+    assert out.stats.off_at_batch and out.stats.verify_rounds == 0 and out.stats.tokens_per_step == 1.0
+    fixed = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=params,
+                            num_speculative=3)  # a fixed k speculates at any batch
+    _same(fixed, plain)
+    assert not fixed.stats.off_at_batch and fixed.stats.verify_rounds > 0
+    assert jaxllm.generate(params, prompts[:2], max_new_tokens=16, eos_token_ids=[],
+                           speculative=params).stats.verify_rounds > 0
+
+
+def test_a_round_without_a_match_takes_the_plain_step(tiny):
+    """Prompt lookup verifies only where the last two tokens occurred before: over 16 distinct
+    prompt tokens and an answer without a repeated pair, every step is a plain one; an answer
+    that repeats one (109, 109, 109) verifies once, there."""
+    params = tiny("llama").params
+    for first, verified in ((3, 0), (20, 1)):
+        prompt = [list(range(first, first + 16))]
+        plain = jaxllm.generate(params, prompt, max_new_tokens=8, eos_token_ids=[])
+        out = jaxllm.generate(params, prompt, max_new_tokens=8, eos_token_ids=[], speculative="ngram",
+                              num_speculative=3)
+        _same(out, plain)
+        answer = [*prompt[0], *np.asarray(plain.tokens[0]).tolist()]
+        pairs = [tuple(answer[i:i + 2]) for i in range(len(answer) - 1)]
+        assert len(pairs) - len(set(pairs)) == verified  # the premise
+        assert out.stats.verify_rounds == verified and out.stats.rounds == 7
 
 
 def test_stop_inside_an_accepted_run_and_max_new_mid_round(tiny):
@@ -238,10 +300,10 @@ def law_setup(tiny, drafts):
     return params, draft, prompt, _exact_law(params, prompt)
 
 
-def _sampled(params, draft, prompt, rows, seed0=0):
+def _sampled(params, draft, prompt, rows, seed0=0, k=K):
     out = jaxllm.generate(params, [prompt] * rows, max_new_tokens=L, eos_token_ids=[], temperature=1.0,
                           top_k=TOP_K, seed=list(range(seed0, seed0 + rows)), speculative=draft,
-                          num_speculative=K)
+                          num_speculative=k)
     return np.asarray(out.tokens), out.stats
 
 
@@ -255,13 +317,26 @@ def test_sampled_law_is_the_targets(law_setup):
 
 
 @pytest.mark.slow
+def test_sampled_law_with_adaptive_pauses_is_the_targets(law_setup, monkeypatch):
+    """Adaptive k pausing after each verify round that does not return all its drafts: the first
+    L tokens mix verify rounds and plain steps, and keep the target's law."""
+    _tuned(monkeypatch, verify_cost=K + 0.9, min_pause=1, max_pause=1, max_batch=6000)
+    monkeypatch.setitem(spec.DEFAULT_K, "draft", K)
+    params, draft, prompt, law = law_setup
+    tokens, stats = _sampled(params, draft, prompt, 6000, k=None)
+    assert 0 < stats.verify_rounds < stats.rounds, stats
+    stat, bound = _chi_square(law, tokens)
+    assert stat < bound, (stat, bound, stats)
+
+
+@pytest.mark.slow
 def test_sampled_law_with_prompt_lookup_is_the_targets(tiny):
     """A one-hot q: accept d with probability p(d), else draw from p with d taken out. The
     prompt repeats itself, so its last token has matches and most rounds verify."""
     params = tiny("llama").params
     prompt = random_tokens(4, seed=12).tolist() * 3
     law = _exact_law(params, prompt)
-    tokens, stats = _sampled(params, "ngram", prompt, 6000)
+    tokens, stats = _sampled(params, LOOKUP1, prompt, 6000)
     assert stats.verify_rounds > 0 and stats.accepted > 0
     stat, bound = _chi_square(law, tokens)
     assert stat < bound, (stat, bound, stats)

@@ -373,6 +373,10 @@ def _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype
                           num_speculative, synthetic) -> GenerateOutput:
     spec, aux = spec_mod.resolve(params, speculative, num_speculative, synthetic)
     tokens, start, steps, _ = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
+    if not spec_mod.speculates(spec, tokens.shape[0]):  # the default stops at SpecTuning.max_batch rows
+        out = generate(params, ids, max_new_tokens=max_new_tokens, eos_token_ids=list(stops), kv_dtype=kv_dtype,
+                       **sampling._asdict())
+        return out._replace(stats=spec_mod.plain_stats(spec.k, out.lengths))
     cache_length = spec_cache_length(tokens.shape[1], steps, spec.k)
     if aux is not None and isinstance(aux, Params):
         _plan(aux, ids, max_new_tokens, sampling, kv_dtype)  # the draft's context and memory
@@ -401,17 +405,18 @@ def _stream_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, 
     static = dict(cache_length=cache_length, steps=steps, flags=sampling.static(), kv_int8=is_int8(kv_dtype),
                   spec=spec, keep=True)
     carry = core(*args, None, jnp.int32(0), **static)[3]
-    made = 0
+    width, made = tokens.shape[1], 0
     while True:
-        out_W, done, count = (np.asarray(x[0]) for x in jax.device_get((carry[2], carry[3], carry[4])))
+        out_W, done, count = (np.asarray(x[0]) for x in jax.device_get((carry.seq_BS[:, width:], carry.done_B,
+                                                                        carry.count_B)))
         for token in out_W[made:min(int(count), max_new_tokens)]:
             made += 1
             yield int(token)
             if int(token) in stops:
-                return spec_mod.make_stats(spec.k, carry[7], [made])
+                return spec_mod.make_stats(spec.k, spec_mod.totals(carry), [made])
         if done or made >= max_new_tokens:
-            return spec_mod.make_stats(spec.k, carry[7], [made])
-        carry = core(*args, carry, carry[0] + 1, **static)[3]
+            return spec_mod.make_stats(spec.k, spec_mod.totals(carry), [made])
+        carry = core(*args, carry, carry.r + 1, **static)[3]
 
 
 @partial(jax.jit, static_argnames=("flags",))

@@ -1,21 +1,27 @@
 """Speculative decoding: propose k tokens a row, check them with one target step over k+1
 positions, keep the longest run the target agrees with, all inside one `lax.while_loop`.
 
-A round, per row: the pending token x (emitted, not yet in the cache) and drafts d_1..d_k go
-through `step(..., all_logits=True)` at the row's end; the target's distributions p_0..p_k (after
-the same penalties and filters as plain decoding, each on its own prefix) decide how many drafts
-n stay (greedy: those equal to the argmax; sampling: Leviathan et al.'s rule, accept d_j with
-probability min(1, p/q), on the first rejection draw from norm(max(0, p - q)), after k
-acceptances a bonus token from p_k); the row then emits d_1..d_n and one target token, and
-`rollback` drops the k - n rejected cache slots, which the next round overwrites. Greedy output
-equals plain greedy token for token; sampled output has the target's law, not plain sampling's
-tokens for a seed.
+A verify round, per row: the pending token x (emitted, not yet in the cache) and drafts
+d_1..d_k go through `step(..., all_logits=True)` at the row's end; the target's distributions
+p_0..p_k (after the same penalties and filters as plain decoding, each on its own prefix) decide
+how many drafts n stay (greedy: those equal to the argmax; sampling: Leviathan et al.'s rule,
+accept d_j with probability min(1, p/q), on the first rejection draw from norm(max(0, p - q)),
+after k acceptances a bonus token from p_k); the row then emits d_1..d_n and one target token,
+and `rollback` drops the k - n rejected cache slots, which the next round overwrites. Greedy
+output equals plain greedy token for token; sampled output has the target's law, not plain
+sampling's tokens for a seed.
+
+The loop alternates two inner loops: verify rounds while the next round has a draft, and plain
+one-token steps (generate's own step and pick) while it has none, because no row's last tokens
+match anything (prompt lookup) or because speculation is paused (adaptive k: a batch whose verify
+rounds return fewer tokens than they cost pauses for a number of plain steps that doubles while
+the probe after it fails). After each step a cheap test (`Proposer.ready`) decides which loop
+runs next, so a plain step pays only that test beside its step: no branch, no proposal.
 
 Proposers: `NGram` (prompt lookup: the tokens after the latest earlier occurrence of the row's
 last n tokens in its prompt and output; q is one-hot) and `Draft` (a second model sharing the
-vocabulary, its own cache, run k steps; q is its filtered distribution). A round with no draft
-in any row, or while the batch's recent acceptance is too low (adaptive k), takes the plain
-one-token step through a `lax.cond`, so speculation never costs a verify step for nothing.
+vocabulary, its own cache, run k steps; q is its filtered distribution; it skips plain steps and
+catches up on their tokens at its next proposal).
 """
 
 from __future__ import annotations
@@ -29,17 +35,47 @@ import numpy as np
 
 from jaxllm.engine.sampling import SamplingFlags, SamplingParams, argmax, choose, filter_logits, penalize, \
     penalty_history, record, row_keys
-from jaxllm.model.cache import init_cache, rollback
+from jaxllm.env import env_ints, env_number
+from jaxllm.model.cache import KVCache, init_cache, rollback
 from jaxllm.model.params import Params
 from jaxllm.model.transformer import rotation_table, step
 
-# Adaptive k: a batch speculates while the moving mean of its accepted fraction stays at or above
-# ADAPT_MIN (a verify round must return about twice a plain step's tokens to pay on a GPU), and
-# probes once every ADAPT_PROBE rounds while it is below.
-ADAPT_MIN = 0.25
-ADAPT_DECAY = 0.7
-ADAPT_PROBE = 8
 DEFAULT_K = {"ngram": 7, "draft": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecTuning:
+    """When speculation runs: the batch policy of the default and adaptive k's pauses. Hashable
+    (part of the loop's static `Spec`); the figures behind the defaults are in
+    docs/decisions/speculative.md#when-it-runs."""
+
+    # The default (num_speculative None) speculates for at most this many rows; a larger batch
+    # decodes plainly, as a verify step over B * (k + 1) tokens stops being nearly free.
+    max_batch: int = 8
+    # A verify step's time in plain steps: a batch keeps speculating while its moving mean of
+    # tokens a live row gains a verify round is at least this.
+    verify_cost: float = 1.5
+    decay: float = 0.8  # the moving mean's weight of the past
+    min_pause: int = 4  # plain steps after a verify round that did not pay
+    max_pause: int = 64  # the pause doubles while the probe round after it fails, up to this
+
+    @classmethod
+    def from_env(cls) -> "SpecTuning":
+        """The defaults, overridden by JAXLLM_SPEC_MAX_BATCH, JAXLLM_SPEC_VERIFY_COST and
+        JAXLLM_SPEC_PAUSE ("min,max")."""
+        d = cls()
+        low, high = env_ints("JAXLLM_SPEC_PAUSE", f"{d.min_pause},{d.max_pause}")
+        return cls(max_batch=env_number("JAXLLM_SPEC_MAX_BATCH", d.max_batch),
+                   verify_cost=env_number("JAXLLM_SPEC_VERIFY_COST", d.verify_cost, float),
+                   min_pause=max(low, 1), max_pause=max(high, low, 1))
+
+
+TUNING = SpecTuning.from_env()
+
+
+def current() -> SpecTuning:
+    """The process's tuning (`TUNING`, which tests and bench may replace)."""
+    return TUNING
 
 
 class SpecStats(NamedTuple):
@@ -53,6 +89,7 @@ class SpecStats(NamedTuple):
     accepted: int
     histogram: tuple[int, ...]  # [k+1]: a live row's verify round accepting n drafts
     tokens: int  # tokens made after the prefill's first, summed over rows
+    off_at_batch: bool = False  # the default's batch policy decoded plainly (SpecTuning.max_batch)
 
     @property
     def acceptance_rate(self) -> float:
@@ -70,18 +107,25 @@ class SpecStats(NamedTuple):
 
 
 class Context(NamedTuple):
-    """What a proposer may read in a round (traced): the padded prompts [B, Tb], the output so
-    far [B, W] (count_B tokens a row, the last one the pending token), the round index, the
-    penalties' history, the sampling settings and each row's round key."""
+    """What a proposer may read in a round (traced): the padded prompts then the output so far
+    [B, width + W] (count_B output tokens a row, the last one, token_B, pending: not yet in the
+    target's cache, at column width + count_B - 1, which is also its cache slot), the round
+    index, the penalties' history, the sampling settings and each row's round key."""
 
-    tokens_BT: jax.Array
-    out_BW: jax.Array
+    seq_BS: jax.Array
+    width: int  # static: the padded prompt's width
+    token_B: jax.Array
     count_B: jax.Array
     round: jax.Array
     history: tuple
     sampling: SamplingParams
     flags: SamplingFlags
     keys_B: jax.Array
+
+    @property
+    def end_B(self):
+        """The target cache's end: the pending token's slot and column."""
+        return self.width + self.count_B - 1
 
 
 class Proposal(NamedTuple):
@@ -92,21 +136,36 @@ class Proposal(NamedTuple):
 
 class Proposer:
     """How drafts are made. `aux` is the proposer's traced data (a draft's params), `state` what
-    it carries between rounds. `cheap`: proposals are made before the round's branch, and a batch
-    without any draft takes the plain step."""
-
-    cheap = True
+    it carries between rounds; plain steps leave the state alone."""
 
     def init(self, aux, tokens_BT, start_B, cache_length: int, kv_int8: bool):
         return ()
 
+    def ready(self, aux, state, ctx: Context):
+        """bool [B]: the row would have a draft now. Run after every step, plain ones included,
+        so it must cost little; where no live row is ready the next step is a plain one."""
+        return jnp.ones(ctx.count_B.shape, bool)
+
     def propose(self, aux, state, ctx: Context, k: int) -> tuple[Proposal, object]:
         raise NotImplementedError
 
-    def commit(self, aux, state, written: int, kept_B):
-        """After the round: `written` tokens went in (k+1 in a verify round, 1 in a plain one),
-        of which kept_B stay."""
+    def commit(self, aux, state, end_B):
+        """After a verify round: the target's cache now ends at end_B (the new pending token's
+        slot)."""
         return state
+
+
+def _ngram_ok(seq_BS, start_B, last_B, tail_B, n: int, match_BS=None):
+    """Where the n tokens ending at each column equal the row's last n (the n-th last tail_B),
+    inside the row (from its start) and before its last column; `match_BS` the test for n - 1."""
+    S = seq_BS.shape[1]
+    i_S = jnp.arange(S, dtype=jnp.int32)
+    m = n - 1
+    shifted_BS = seq_BS if m == 0 else jnp.pad(seq_BS, ((0, 0), (m, 0)), constant_values=-1)[:, :S]
+    match_BS = (shifted_BS == tail_B[:, None]) if match_BS is None else match_BS & (shifted_BS == tail_B[:, None])
+    ok_BS = match_BS & (i_S[None] - m >= start_B[:, None]) & (i_S[None] < last_B[:, None]) & \
+        (last_B - m >= start_B)[:, None]
+    return match_BS, ok_BS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,31 +174,35 @@ class NGram(Proposer):
     its earlier tokens, latest match first, and propose the tokens that followed."""
 
     max_n: int = 3
-    min_n: int = 1
+    # One matching token is weak evidence: SmolLM2's answers to chat, code and summary prompts
+    # (replayed offline) verified more for less with it (docs/decisions/speculative.md#when-it-runs)
+    min_n: int = 2
 
     def init(self, aux, tokens_BT, start_B, cache_length, kv_int8):
         return start_B
 
-    def commit(self, aux, state, written, kept_B):
-        return state
+    def ready(self, aux, start_B, ctx):
+        # A match of min_n tokens exists (a longer one implies it): one reduction over [B, S]
+        seq_BS, last_B = ctx.seq_BS, ctx.end_B
+        rows = jnp.arange(seq_BS.shape[0])
+        match_BS = None
+        for n in range(1, self.min_n + 1):
+            tail_B = ctx.token_B if n == 1 else seq_BS[rows, jnp.maximum(last_B - n + 1, 0)]
+            match_BS, ok_BS = _ngram_ok(seq_BS, start_B, last_B, tail_B, n, match_BS)
+        return jnp.any(ok_BS, axis=1)
 
     def propose(self, aux, start_B, ctx, k):
-        seq_BS = jnp.concatenate([ctx.tokens_BT, ctx.out_BW], axis=1)
+        seq_BS, last_B = ctx.seq_BS, ctx.end_B
         B, S = seq_BS.shape
-        last_B = ctx.tokens_BT.shape[1] + ctx.count_B - 1  # the pending token's index
         i_S = jnp.arange(S, dtype=jnp.int32)
         rows = jnp.arange(B)
-        match_BS = jnp.ones((B, S), bool)
         best_B = jnp.full((B,), -1, jnp.int32)
+        match_BS = None
         for n in range(1, self.max_n + 1):
-            m = n - 1
-            tail_B = seq_BS[rows, jnp.maximum(last_B - m, 0)]
-            shifted_BS = jnp.pad(seq_BS, ((0, 0), (m, 0)), constant_values=-1)[:, :S]  # [i] = seq[i - m]
-            match_BS = match_BS & (shifted_BS == tail_B[:, None])
-            ok_BS = match_BS & (i_S[None] - m >= start_B[:, None]) & (i_S[None] < last_B[:, None]) & \
-                (last_B - m >= start_B)[:, None]
-            at_B = jnp.max(jnp.where(ok_BS, i_S[None], -1), axis=1)  # the latest match
+            tail_B = ctx.token_B if n == 1 else seq_BS[rows, jnp.maximum(last_B - n + 1, 0)]
+            match_BS, ok_BS = _ngram_ok(seq_BS, start_B, last_B, tail_B, n, match_BS)
             if n >= self.min_n:
+                at_B = jnp.max(jnp.where(ok_BS, i_S[None], -1), axis=1)  # the latest match
                 best_B = jnp.where(at_B >= 0, at_B, best_B)  # a longer n overrides
         j_K = jnp.arange(1, k + 1, dtype=jnp.int32)
         at_BK = best_B[:, None] + j_K[None]
@@ -151,19 +214,34 @@ class NGram(Proposer):
 @dataclasses.dataclass(frozen=True)
 class Draft(Proposer):
     """A draft model sharing the target's vocabulary: its own cache (the same slots), k steps a
-    round drawing from its own filtered distribution, one more writing d_k so that a fully
-    accepted round leaves it in step with the target."""
+    round drawing from its own filtered distribution. Plain steps do not run it: a proposal first
+    feeds it the tokens its cache lacks (the plain steps' and a fully accepted round's last
+    draft), `chunk` at a time while more than one is missing."""
 
-    cheap = False
-
+    chunk: int = 8
 
     def init(self, aux, tokens_BT, start_B, cache_length, kv_int8):
-        cache = init_cache(aux.config, tokens_BT.shape[0], cache_length, aux.dtype, start_B,
+        cache = init_cache(aux.config, tokens_BT.shape[0], cache_length + self.chunk, aux.dtype, start_B,
                            kv_dtype="int8" if kv_int8 else None)
         _, cache = step(aux, tokens_BT, cache, fresh=True)
         return cache
 
+    def catch_up(self, aux, cache: KVCache, seq_BS, end_B) -> KVCache:
+        """The cache fed seq_BS's columns from its end to end_B (exclusive), the same slots."""
+        S = seq_BS.shape[1]
+        rotation = rotation_table(aux.config, cache.length) if aux.tp is None else None
+
+        def feed(cache, T):
+            i_BT = cache.end[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+            tokens_BT = jnp.take_along_axis(seq_BS, jnp.clip(i_BT, 0, S - 1), axis=1)
+            _, cache = step(aux, tokens_BT, cache, rotation=rotation if T == 1 else None)
+            return rollback(cache, T - jnp.clip(end_B - (cache.end - T), 0, T))  # what was not missing
+
+        cache = jax.lax.while_loop(lambda c: jnp.max(end_B - c.end) > 1, lambda c: feed(c, self.chunk), cache)
+        return jax.lax.while_loop(lambda c: jnp.any(end_B > c.end), lambda c: feed(c, 1), cache)
+
     def propose(self, aux, cache, ctx, k):
+        cache = self.catch_up(aux, cache, ctx.seq_BS, ctx.end_B)
         rotation = rotation_table(aux.config, cache.length) if aux.tp is None else None
         flags = ctx.flags
 
@@ -178,22 +256,18 @@ class Draft(Proposer):
                 d_B = race(jax.vmap(lambda key: jax.random.fold_in(key, 100 + j))(ctx.keys_B), q_BV)
             return (d_B, cache, record(history, d_B, jnp.ones_like(d_B, bool))), (d_B, q_BV)
 
-        pending_B = ctx.out_BW[jnp.arange(ctx.count_B.shape[0]), ctx.count_B - 1]
-        (last_B, cache, _), (d_KB, q_KBV) = jax.lax.scan(one, (pending_B, cache, ctx.history),
-                                                       jnp.arange(k, dtype=jnp.int32))
-        _, cache = step(aux, last_B[:, None], cache, rotation=rotation)
+        # k steps write the pending token and d_1..d_{k-1}; d_k waits for the next catch-up
+        (_, cache, _), (d_KB, q_KBV) = jax.lax.scan(one, (ctx.token_B, cache, ctx.history),
+                                                    jnp.arange(k, dtype=jnp.int32))
         d_BK = d_KB.T
         q_BKV = None if flags.greedy else q_KBV.transpose(1, 0, 2)
         return Proposal(d_BK, jnp.ones(d_BK.shape, bool), q_BKV), cache
 
-    def commit(self, aux, cache, written, kept_B):
-        return rollback(cache, rejected(written, kept_B))
+    def commit(self, aux, cache, end_B):
+        return cache.replace(end=jnp.minimum(cache.end, end_B))
 
 
 # --- the pieces of a round (module functions: the negative-control tests replace them) ---------
-
-
-
 
 
 def is_stop(token, stop_ids):
@@ -223,8 +297,8 @@ def race(keys_B, w_BV):
 
 
 def round_keys(seed_B2, count_B):
-    """Each row's key for a round: its seed folded by its token count, which grows every round,
-    so no uniform is reused; a plain round draws with exactly plain decoding's key."""
+    """Each row's key for a verify round: its seed folded by its token count, which grows every
+    round, so no uniform is reused (a plain step draws with plain decoding's key, the same fold)."""
     return row_keys(seed_B2, count_B)
 
 
@@ -257,8 +331,35 @@ class Spec(NamedTuple):
 
     proposer: Proposer
     k: int
-    adaptive: bool
+    adaptive: bool  # pause while verify rounds do not pay (num_speculative None)
     synthetic: float | None = None  # benchmarks: accept each draft with this probability
+    tuning: SpecTuning = SpecTuning()
+
+
+class Policy(NamedTuple):
+    """Adaptive k's state (traced scalars): the moving mean of tokens a live row gains a verify
+    round, the step from which verify rounds may run again (an absolute index: plain steps do not
+    count down), the next pause's length, and whether the next verify round is a probe (its gain
+    replaces the mean)."""
+
+    mean: jax.Array
+    resume: jax.Array
+    pause: jax.Array
+    probe: jax.Array
+
+
+class Carry(NamedTuple):
+    r: jax.Array  # target steps after the prefill (plain and verify)
+    cache: KVCache
+    seq_BS: jax.Array  # int32 [B, Tb + W]: the padded prompt, then each row's output
+    token_B: jax.Array  # each row's pending token (its last output, not yet in the cache)
+    count_B: jax.Array  # output tokens a row, the pending one included
+    done_B: jax.Array
+    history: tuple
+    pstate: object
+    go: jax.Array  # bool: the next step is a verify round
+    policy: Policy
+    stats: dict
 
 
 def _target_choices(logits_BJV, history, d_BK, sampling, flags):
@@ -275,29 +376,53 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
               carry=None, until=None, *, cache_length: int, steps: int, flags: SamplingFlags, kv_int8: bool,
               spec: Spec, keep: bool = False):
     """generate's loop with speculation: (tokens [B, steps], lengths [B], stats arrays). `stream`
-    runs it a round at a time: `keep` (static) returns the loop's carry as well, `carry` resumes
-    from one (no prefill), and the loop stops after round `until`."""
+    runs it a step at a time: `keep` (static) returns the loop's `Carry` as well, `carry` resumes
+    from one (no prefill), and the loop stops after step `until`."""
     cfg = params.config
-    B = tokens_BT.shape[0]
+    B, Tb = tokens_BT.shape
     K = spec.k
+    tuning = spec.tuning
     W = steps + K + 1  # output slots: a round may write k+1 past the last needed
     pad = jnp.int32(cfg.pad_id)
     proposer = spec.proposer
     rotation = rotation_table(cfg, cache_length) if params.tp is None else None
     rows = jnp.arange(B)
     j_J = jnp.arange(K + 1, dtype=jnp.int32)
-    stats0 = dict(rounds=jnp.int32(0), verify=jnp.int32(0), row_rounds=jnp.int32(0),
-                  drafted=jnp.int32(0), accepted=jnp.int32(0), hist=jnp.zeros((K + 1,), jnp.int32),
-                  ema=jnp.float32(1))
+    s_S = jnp.arange(Tb + W, dtype=jnp.int32)
+    more = (lambda r: True) if until is None else (lambda r: r < until)
 
-    def verify(cache, pstate, ctx, proposal):
-        if proposal is None:
-            proposal, pstate = proposer.propose(aux, pstate, ctx, K)
-        d_BK, valid_BK, q_BKV = proposal
-        pending_B = ctx.out_BW[rows, ctx.count_B - 1]
-        logits_BJV, cache = step(params, jnp.concatenate([pending_B[:, None], d_BK], axis=1), cache,
+    def context(c: Carry, keys_B=None) -> Context:
+        keys_B = jnp.zeros((B,), jnp.uint32) if keys_B is None else keys_B  # unread where None
+        return Context(c.seq_BS, Tb, c.token_B, c.count_B, c.r, c.history, sampling, flags, keys_B)
+
+    def next_go(c: Carry, policy: Policy):
+        ready_B = proposer.ready(aux, c.pstate, context(c)) & ~c.done_B
+        return jnp.any(ready_B) & (c.r >= policy.resume) if spec.adaptive else jnp.any(ready_B)
+
+    # A plain step: generate's body (step, pick, output write, stop test) and the test for the
+    # next step; a done row's slot is taken back, so its cache end never moves.
+    def plain(c: Carry) -> Carry:
+        logits_BV, cache = step(params, c.token_B[:, None], c.cache, rotation=rotation)
+        new_B = choose(logits_BV, c.history, sampling, c.count_B, flags)
+        live_B = ~c.done_B
+        # A select over the row, not a scatter: one elementwise kernel and no index arithmetic
+        seq_BS = jnp.where(s_S[None] == (Tb + c.count_B)[:, None], new_B[:, None], c.seq_BS)
+        history = record(c.history, new_B, live_B)
+        count_B = c.count_B + live_B.astype(jnp.int32)
+        cache = cache.replace(end=cache.end - c.done_B.astype(jnp.int32))
+        done_B = c.done_B | is_stop(new_B, stop_ids) | (count_B >= max_new)
+        c = c._replace(r=c.r + 1, cache=cache, seq_BS=seq_BS, token_B=new_B, count_B=count_B, done_B=done_B,
+                       history=history)
+        return c._replace(go=next_go(c, c.policy))
+
+    def verify(c: Carry) -> Carry:
+        count_B = c.count_B
+        keys_B = None if flags.greedy and spec.synthetic is None else round_keys(sampling.seed, count_B)
+        ctx = context(c, keys_B)
+        (d_BK, valid_BK, q_BKV), pstate = proposer.propose(aux, c.pstate, ctx, K)
+        logits_BJV, cache = step(params, jnp.concatenate([c.token_B[:, None], d_BK], axis=1), c.cache,
                                  all_logits=True)
-        logits_BJV = _target_choices(logits_BJV, ctx.history, d_BK, sampling, flags)
+        logits_BJV = _target_choices(logits_BJV, c.history, d_BK, sampling, flags)
         if flags.greedy:
             x_BJ = argmax(logits_BJV.reshape(B * (K + 1), -1)).reshape(B, K + 1)
             if spec.synthetic is None:
@@ -319,92 +444,75 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
                 x_B = race(jax.vmap(lambda key: jax.random.fold_in(key, 2))(ctx.keys_B), p_BJV[rows, n_B])
         emit_BJ = jnp.concatenate([d_BK, x_B[:, None]], axis=1)
         emit_BJ = jnp.where(j_J[None] < n_B[:, None], emit_BJ, x_B[:, None])  # [n] = x (later: unread)
-        return cache, pstate, n_B, emit_BJ, jnp.sum(valid_BK, axis=1).astype(jnp.int32), K + 1
-
-    def plain(cache, pstate, ctx):
-        pending_B = ctx.out_BW[rows, ctx.count_B - 1]
-        logits_BV, cache = step(params, pending_B[:, None], cache, rotation=rotation)
-        x_B = choose(logits_BV, ctx.history, sampling, ctx.count_B, flags)
-        if isinstance(proposer, Draft):  # the draft's cache takes the pending token too
-            drot = rotation_table(aux.config, cache_length) if aux.tp is None else None
-            _, pstate = step(aux, pending_B[:, None], pstate, rotation=drot)
-        emit_BJ = jnp.broadcast_to(x_B[:, None], (B, K + 1))
-        return cache, pstate, jnp.zeros((B,), jnp.int32), emit_BJ, jnp.zeros((B,), jnp.int32), 1
-
-    def cond(carry):
-        return ~jnp.all(carry[3]) & (True if until is None else carry[0] < until)
-
-    def body(carry):
-        r, cache, out_BW, done_B, count_B, history, pstate, stats = carry
-        keys_B = None if flags.greedy and spec.synthetic is None else round_keys(sampling.seed, count_B)
-        if keys_B is None:
-            keys_B = jnp.zeros((B,), jnp.uint32)  # unread
-        ctx = Context(tokens_BT, out_BW, count_B, r, history, sampling, flags, keys_B)
-        go = (stats["ema"] >= ADAPT_MIN) | (r % ADAPT_PROBE == 0) if spec.adaptive else jnp.bool_(True)
-        if proposer.cheap:
-            proposal, pstate = proposer.propose(aux, pstate, ctx, K)
-            go = go & jnp.any(proposal.valid_BK[:, 0] & ~done_B)
-        else:
-            proposal = None
-
-        def spec_branch(operands):
-            cache, pstate = operands
-            cache, pstate, n_B, emit_BJ, drafted_B, written = verify(cache, pstate, ctx, proposal)
-            return _finish(cache, pstate, n_B, emit_BJ, drafted_B, written)
-
-        def plain_branch(operands):
-            cache, pstate = operands
-            return _finish(*plain(cache, pstate, ctx))
-
-        def _finish(cache, pstate, n_B, emit_BJ, drafted_B, written):
-            kept_B = jnp.where(done_B, 0, n_B + 1)
-            cache = rollback(cache, rejected(written, kept_B))
-            pstate = proposer.commit(aux, pstate, written, kept_B)
-            return cache, pstate, n_B, emit_BJ, drafted_B
-
-        cache, pstate, n_B, emit_BJ, drafted_B = jax.lax.cond(go, spec_branch, plain_branch, (cache, pstate))
-        live_B = ~done_B
+        live_B = ~c.done_B
         kept_B = jnp.where(live_B, n_B + 1, 0)
+        cache = rollback(cache, rejected(K + 1, kept_B))
+        pstate = proposer.commit(aux, pstate, cache.end)
         keep_BJ = j_J[None] < kept_B[:, None]
-        cols_BJ = jnp.where(keep_BJ, count_B[:, None] + j_J[None], W)  # W: dropped
-        out_BW = out_BW.at[rows[:, None], cols_BJ].set(emit_BJ, mode="drop")
-        for j in range(K + 1):
-            if flags.repetition_penalty or flags.penalties:
+        cols_BJ = jnp.where(keep_BJ, Tb + count_B[:, None] + j_J[None], Tb + W)  # Tb + W: dropped
+        seq_BS = c.seq_BS.at[rows[:, None], cols_BJ].set(emit_BJ, mode="drop")
+        history = c.history
+        if flags.repetition_penalty or flags.penalties:
+            for j in range(K + 1):
                 history = record(history, emit_BJ[:, j], keep_BJ[:, j])
         stop_B = jnp.any(is_stop(emit_BJ, stop_ids) & keep_BJ, axis=1)
         count_B = count_B + kept_B
-        done_B = done_B | stop_B | (count_B >= max_new)
+        done_B = c.done_B | stop_B | (count_B >= max_new)
         live = live_B.astype(jnp.int32)
-        hist = stats["hist"].at[n_B].add(live * go.astype(jnp.int32))
-        drafted = jnp.sum(drafted_B * live)
-        frac = jnp.sum(n_B * live) / jnp.maximum(drafted, 1)
-        ema = jnp.where(go & (drafted > 0), ADAPT_DECAY * stats["ema"] + (1 - ADAPT_DECAY) * frac, stats["ema"])
-        stats = dict(rounds=stats["rounds"] + 1, verify=stats["verify"] + go.astype(jnp.int32),
-                     row_rounds=stats["row_rounds"] + jnp.sum(live), drafted=stats["drafted"] + drafted,
-                     accepted=stats["accepted"] + jnp.sum(n_B * live * go.astype(jnp.int32)), hist=hist, ema=ema)
-        return r + 1, cache, out_BW, done_B, count_B, history, pstate, stats
+        drafted = jnp.sum(jnp.sum(valid_BK, axis=1) * live)
+        s = c.stats
+        stats = dict(s, verify=s["verify"] + 1, drafted=s["drafted"] + drafted,
+                     accepted=s["accepted"] + jnp.sum(n_B * live), hist=s["hist"].at[n_B].add(live))
+        policy = c.policy
+        if spec.adaptive:
+            gain = jnp.sum(kept_B) / jnp.maximum(jnp.sum(live), 1)  # tokens a live row gained
+            mean = jnp.where(policy.probe, gain, tuning.decay * policy.mean + (1 - tuning.decay) * gain)
+            pays = mean >= tuning.verify_cost
+            policy = Policy(mean=mean, resume=jnp.where(pays, 0, c.r + 1 + policy.pause),
+                            pause=jnp.where(pays, tuning.min_pause, jnp.minimum(2 * policy.pause, tuning.max_pause)),
+                            probe=~pays)
+        c = Carry(c.r + 1, cache, seq_BS, x_B, count_B, done_B, history, pstate, c.go, policy, stats)
+        return c._replace(go=next_go(c, policy))
+
+    def live(c: Carry):
+        return ~jnp.all(c.done_B) & more(c.r)
+
+    def outer(c: Carry) -> Carry:
+        c = jax.lax.while_loop(lambda c: c.go & live(c), verify, c)
+        return jax.lax.while_loop(lambda c: ~c.go & live(c), plain, c)
 
     if carry is None:  # the prefill and its token
         cache = init_cache(cfg, B, cache_length, params.dtype, start_B, kv_dtype="int8" if kv_int8 else None)
         history = penalty_history(tokens_BT, start_B, cfg.vocab_size, flags)
         logits_BV, cache = step(params, tokens_BT, cache, fresh=True)
         token_B = choose(logits_BV, history, sampling, 0, flags)
-        out_BW = jnp.full((B, W), pad, jnp.int32).at[:, 0].set(token_B)
+        seq_BS = jnp.concatenate([tokens_BT, jnp.full((B, W), pad, jnp.int32).at[:, 0].set(token_B)], axis=1)
         done_B = is_stop(token_B, stop_ids) | (max_new <= 1)
         history = record(history, token_B, jnp.ones((B,), bool))
         pstate = proposer.init(aux, tokens_BT, start_B, cache_length, kv_int8)
-        carry = (jnp.int32(0), cache, out_BW, done_B, jnp.ones((B,), jnp.int32), history, pstate, stats0)
+        stats = dict(verify=jnp.int32(0), drafted=jnp.int32(0), accepted=jnp.int32(0),
+                     hist=jnp.zeros((K + 1,), jnp.int32))
+        policy = Policy(mean=jnp.float32(0), resume=jnp.int32(0), pause=jnp.int32(tuning.min_pause),
+                        probe=jnp.bool_(True))
+        carry = Carry(jnp.int32(0), cache, seq_BS, token_B, jnp.ones((B,), jnp.int32), done_B, history, pstate,
+                      jnp.bool_(False), policy, stats)
+        carry = carry._replace(go=next_go(carry, policy))
         if until is not None:  # stream: the prefill's token first
             return (None, None, None, carry) if keep else None
-    carry = jax.lax.while_loop(cond, body, carry)
-    _, _, out_BW, _, count_B, _, _, stats = carry
-    out_BN = out_BW[:, :steps]
+    carry = jax.lax.while_loop(live, outer, carry)
+    out_BN = carry.seq_BS[:, Tb:Tb + steps]
     n_N = jnp.arange(steps, dtype=jnp.int32)
-    made_B = jnp.minimum(count_B, max_new)
+    made_B = jnp.minimum(carry.count_B, max_new)
     stop_BN = is_stop(out_BN, stop_ids) & (n_N[None] < made_B[:, None])
     lengths_B = jnp.where(jnp.any(stop_BN, axis=1), jnp.argmax(stop_BN, axis=1) + 1, made_B)
-    result = jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), stats
+    result = jnp.where(n_N < lengths_B[:, None], out_BN, pad), lengths_B.astype(jnp.int32), totals(carry)
     return result + (carry,) if keep else result
+
+
+def totals(carry: Carry) -> dict:
+    """The loop's counters (device arrays) for `make_stats`: a live row's target steps are its
+    tokens after the first, less the drafts it had accepted."""
+    return dict(carry.stats, rounds=carry.r, row_rounds=jnp.sum(carry.count_B - 1) - carry.stats["accepted"])
 
 
 def _synthetic(keys_B, K: int, rate: float):
@@ -421,7 +529,21 @@ def make_stats(k: int, stats, lengths) -> SpecStats:
                      tokens=int(np.sum(np.asarray(lengths))) - len(np.asarray(lengths)))
 
 
-def resolve(params: Params, speculative, num_speculative, synthetic=None):
+def plain_stats(k: int, lengths) -> SpecStats:
+    """The stats of a call the batch policy decoded plainly: one token a row a step."""
+    lengths = np.asarray(lengths)
+    made = int(np.sum(lengths)) - len(lengths)
+    return SpecStats(k=k, rounds=int(lengths.max()) - 1, verify_rounds=0, row_rounds=made, drafted=0,
+                     accepted=0, histogram=(0,) * (k + 1), tokens=made, off_at_batch=True)
+
+
+def speculates(spec: Spec, rows: int) -> bool:
+    """Whether a call of `rows` rows speculates: always with a fixed k, the default only up to
+    the tuning's max_batch rows."""
+    return not spec.adaptive or rows <= spec.tuning.max_batch
+
+
+def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning: SpecTuning | None = None):
     """(Spec, aux) of generate's `speculative` / `num_speculative` arguments, checked."""
     from jaxllm.engine.sampling import whole
     if isinstance(speculative, str):
@@ -446,4 +568,5 @@ def resolve(params: Params, speculative, num_speculative, synthetic=None):
     k = DEFAULT_K[kind] if adaptive else whole("num_speculative", num_speculative, 1, 32)
     if synthetic is not None and not 0 <= float(synthetic) <= 1:
         raise ValueError(f"synthetic acceptance must be in [0, 1], got {synthetic}")
-    return Spec(proposer, k, adaptive, None if synthetic is None else float(synthetic)), aux
+    return Spec(proposer, k, adaptive, None if synthetic is None else float(synthetic),
+                tuning or current()), aux
