@@ -21,7 +21,11 @@ of S slots each (S = max_context plus the left padding a prompt bucket adds), on
 - the engine thread owns the device state and blocks on its condition when idle. It dispatches
   step n + 1 before it reads step n's tokens (one device_get), so the host's work for step n (stop
   ids, events, the server's detokenizing) overlaps the device's step n + 1; a row that finished
-  at step n is computed once more and ignored.
+  at step n is computed once more and ignored;
+- with `speculative="ngram"`, a decode bucket of at most `SpecTuning.max_batch` rows runs a
+  prompt-lookup round instead (`_speculate`): each row's tokens live on the device beside its
+  cache, so the drafts are found inside the step; a row keeps 1 to k + 1 tokens a step, which its
+  request gets in one event.
 
 Every program it runs is compiled in `start()`, before `ready`; `stats()["compilations"]` counts
 the XLA compilations made on its threads (tests assert none come after ready).
