@@ -193,6 +193,30 @@ def test_larger_buckets_decode_plainly_and_the_tokens_do_not_change(params, monk
         e.shutdown(10)
 
 
+def test_a_speculative_step_updates_the_cache_in_place(params):
+    """The donated cache is written in place: the compiled step copies no layer's cache (a
+    `lax.cond` between a verify and a plain step copied each one three times)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.engine import batching
+    from jaxllm.model.cache import init_cache
+    from jaxllm.model.transformer import rotation_table
+
+    cfg, B, S = params.config, 4, 128
+    rows = batching.Rows(init_cache(cfg, B, S, jnp.float32), jnp.zeros((B, VOCAB), bool),
+                         jnp.zeros((B, VOCAB), jnp.int32), jnp.zeros((B, S), jnp.int32))
+    nxt = batching.Next(np.zeros((B,), np.int32), np.zeros((B,), np.int32), batching._sampling_values([None] * B))
+    program = jax.jit(batching._speculate, donate_argnums=(1,), static_argnames=("flags", "logprobs", "k", "proposer"))
+    hlo = program.lower(params, rows, nxt, np.zeros((1,), bool), rotation_table(cfg, S), flags=batching.EVERY,
+                        logprobs=True, k=K, proposer=LOOKUP1).compile().as_text()
+    shape = rf"f32\[{B},{cfg.num_kv_heads},{S},{cfg.head_dim}\]"
+    assert re.search(rf"= {shape}\{{[^}}]*\}} dynamic-update-slice|= {shape}\{{[^}}]*\}} (fusion|scatter)", hlo)
+    assert not re.search(rf"= {shape}\{{[^}}]*\}} copy\(", hlo)
+
+
 def test_bad_arguments_are_named(params):
     with pytest.raises(ValueError, match="prompt lookup only"):
         jaxllm.Engine(params, speculative="draft")

@@ -217,9 +217,12 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     """A prompt-lookup round for each of the cache's first n rows (a decode bucket, as `_decode`):
     up to k drafts from the row's own tokens, one target step over its pending token and them
     (k + 1 positions), the longest run the target accepts and its own next token kept, the
-    rejected slots rolled back. A step in which no running row has a draft takes the plain
-    one-token step instead (one `lax.cond`). Returns (rows, next, tokens [n, k + 1] of which a row's
-    first counts_n are new, (counts_n, drafts_n checked), logprobs [n, k + 1] or None)."""
+    rejected slots rolled back. A row without a draft keeps one token, as a plain step would.
+    Returns (rows, next, tokens [n, k + 1] of which a row's first counts_n are new, (counts_n,
+    drafts_n checked), logprobs [n, k + 1] or None).
+
+    No `lax.cond` to a plain step when no row has a draft: XLA's conditional copied every layer's
+    cache around it (CPU HLO), which a server's cache cannot afford."""
     B, n, J = rows.cache.batch, active_n.shape[0], k + 1
     first = (lambda x: x) if n == B else (lambda x: x[:n])
     put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
@@ -231,31 +234,19 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     end_n = free.end  # the pending token's slot
     d_nK, valid_nK = proposer.drafts(first(rows.seq), free.start, end_n, token_n, k)
     valid_nK = valid_nK & active_n[:, None]
+    raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), cache,
+                          rotation=rotation, all_logits=True)
+    logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
     # A row's key by its token index, as a plain step's: its tokens do not depend on the batch
     keys_n = None if flags.greedy else speculative.round_keys(sampling.seed, index_n)
+    accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, None, sampling, flags, keys_n)
+    if not flags.greedy:  # a row without a draft draws as a plain step would, with its key
+        x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
     j_J = jnp.arange(J, dtype=jnp.int32)
-
-    def verify(cache):
-        raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), cache,
-                              rotation=rotation, all_logits=True)
-        logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
-        kept_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, None, sampling, flags, keys_n)
-        if not flags.greedy:  # a row without a draft draws as a plain step would
-            x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
-        emit_nJ = jnp.where(j_J[None] < kept_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
-                            x_n[:, None])
-        kept_n = kept_n + 1  # the pending token and the accepted drafts stay in the cache
-        cache = rollback(cache, speculative.rejected(J, kept_n))
-        return cache, emit_nJ, kept_n, _logprobs_J(raw_nJV, emit_nJ, J) if logprobs else None
-
-    def plain(cache):
-        logits_nV, cache = step(params, token_n[:, None], cache, rotation=rotation)
-        x_n = choose(logits_nV, history, sampling, index_n, flags)
-        emit_nJ = jnp.broadcast_to(x_n[:, None], (n, J))
-        lp = _logprobs_J(logits_nV[:, None], emit_nJ[:, :1], J) if logprobs else None
-        return cache, emit_nJ, jnp.ones((n,), jnp.int32), lp
-
-    cache, emit_nJ, kept_n, lp = jax.lax.cond(jnp.any(valid_nK[:, 0]), verify, plain, cache)
+    emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
+                        x_n[:, None])
+    kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
+    cache = rollback(cache, speculative.rejected(J, kept_n))
     keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
     if not flags.greedy:
         for j in range(J):
@@ -263,18 +254,17 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     # d_1..d_n, x at the slots after the pending token's (S: past the row, dropped)
     cols_nJ = jnp.where(keep_nJ, end_n[:, None] + 1 + j_J[None], rows.seq.shape[1])
     seq = rows.seq.at[jnp.arange(n)[:, None], cols_nJ].set(emit_nJ, mode="drop")
-    x_n = emit_nJ[jnp.arange(n), kept_n - 1]
     rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq)
     nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling)
+    lp = _logprobs_J(raw_nJV, emit_nJ) if logprobs else None
     return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid_nK, axis=1, dtype=jnp.int32)), lp
 
 
-def _logprobs_J(logits_nTV, token_nT, J: int):
-    """`_logprobs` of T <= J positions a row, as [n, J] (and [n, J, top]) arrays."""
-    n, T, V = logits_nTV.shape
-    chosen, top, ids = _logprobs(logits_nTV.reshape(n * T, V), token_nT.reshape(n * T))
-    pad = lambda x: jnp.pad(x.reshape(n, T, *x.shape[1:]), ((0, 0), (0, J - T)) + ((0, 0),) * (x.ndim - 1))
-    return pad(chosen), pad(top), pad(ids)
+def _logprobs_J(logits_nJV, token_nJ):
+    """`_logprobs` of each of J positions a row, as [n, J] (and [n, J, top]) arrays."""
+    n, J, V = logits_nJV.shape
+    chosen, top, ids = _logprobs(logits_nJV.reshape(n * J, V), token_nJ.reshape(n * J))
+    return chosen.reshape(n, J), top.reshape(n, J, -1), ids.reshape(n, J, -1)
 
 
 def _donated(*argnums) -> tuple[int, ...]:
@@ -426,7 +416,7 @@ class BatchingEngine:
         # busy_s: the loop's time in iterations (waits on the device included, idle waits not), cpu_s
         # its thread's processor time; wait_s: its waits on the device's results; device_s: the
         # timed iterations' calls alone
-        # spec_steps: verify steps run; spec_proposed and spec_accepted: drafts checked and kept,
+        # spec_steps: verify steps in which some row had a draft; spec_proposed and spec_accepted: drafts checked and kept,
         # of the rows still running when read
         self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0,
                               occupied_rows=0, computed_rows=0, busy_s=0.0, cpu_s=0.0, wait_s=0.0, device_s=0.0,
