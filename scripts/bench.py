@@ -9,6 +9,8 @@
     python scripts/bench.py --preset llama3-8b --write-checkpoint /tmp/ck   # random, HF layout
     python scripts/bench.py --model /tmp/ck --cold --load-only              # load against disk
     python scripts/bench.py --model /tmp/ck --fresh --load-only   # as a fresh machine's first process
+    python scripts/bench.py --model M.gguf --speculate ngram --prompt-set code,summary,chat --prompt-len 1024
+    python scripts/bench.py --preset llama3-8b --speculate ngram --batch 1,4,8,32   # where it stops paying
 
 A run is one (batch, prompt length): random prompts, greedy, no stop ids, so every row makes all
 --new-tokens. The first `generate` call includes compilation; --repeat timed calls follow. Prefill
@@ -47,8 +49,7 @@ device.
 decode_paths says which path a decode step's parts take: {"qkv", "attention", "o", "add_norm",
 "gate_up", "down", "lm_head"(, "route")} -> "project" (one-row kernel), "rows" (rows kernel),
 "kernel" or "xla" (jaxllm.model.plan.describe), so a run on a machine without a kernel backend,
-or a model whose features turn a kernel off (Gemma's (1 + w) norms, GeGLU, post-norms, soft
-caps), says so in its line.
+a kernel whose compile probe failed, or a model feature no kernel has, says so in its line.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)
 also has load_s, checkpoint_bytes, load_gb_per_s (the files' bytes over load_s), cold and fresh;
 with --cold (or --fresh), disk_read_gb_per_s (one plain sequential read of the same files,
@@ -77,6 +78,20 @@ H200 ran faster (copies, other kernels), so it is the floor of any step that rea
 clock it ran at (floor_sm_mhz); floor_tokens_per_s the rate it would give; pct_of_floor the
 measured step against it. A step of many kernels adds their boundaries to it. Null without the flag.
 source is a hash of jaxllm's and this script's sources: it names the code where git cannot.
+With --speculate, --draft-model or --draft-preset each run first times plain generate on the same
+prompts (the baseline of the same run), then the speculative calls, which the timing keys above
+describe; the line also has speculate, num_speculative (null: adaptive), synthetic_acceptance,
+verify_cost (the tuning adaptive k pauses by), spec_default_on (whether generate's default would
+speculate at this batch: bench speculates at every batch, the default only up to
+SpecTuning.max_batch rows), plain_generate_s, plain_tokens, plain_tokens_per_s, spec_tokens,
+spec_tokens_per_s, speedup (spec_tokens_per_s over plain_tokens_per_s), rows_same_as_plain (the
+share of rows whose answer is plain generate's, token for token: greedy speculation makes the same
+tokens but for rounding, the verify step's sums being in another order) and spec (the SpecStats:
+k, rounds, verify_rounds, row_rounds, drafted, accepted, histogram, tokens, off_at_batch,
+acceptance_rate, tokens_per_step). With --prompt-set (real prompts, rows stopping at the model's
+end of turn) the line has prompt_set, and without speculation tokens (the tokens made); a decode
+step is then the time over the longest row's tokens, and end_to_end_tokens_per_s counts the tokens
+made.
 
 With --verify T,..., each (batch, prompt length) instead times one-token steps and steps of T new
 tokens a row with every position's logits (a speculative verify step, `step(..., all_logits=True)`)
@@ -145,6 +160,67 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1 or max(values) > MAX_SIZE:
         raise argparse.ArgumentTypeError(f"expected integers >= 1 and <= {MAX_SIZE}, got {text!r}")
     return values
+
+
+# Prompts for speculative decoding on a real model (--prompt-set): input-grounded ones, whose
+# answer repeats much of the prompt (prompt lookup's case), and open chat, whose answer does not.
+PROMPT_SETS = {
+    "code": "Rewrite this Python code with type hints added, keeping everything else the same:\n\n"
+            "```python\n{text}\n```",
+    "summary": "Summarize this passage from the Python reference, quoting its key sentences:\n\n{text}",
+    "chat": "{text}",
+}
+_CODE_MODULES = ("textwrap", "shlex", "fnmatch", "bisect", "heapq", "colorsys", "glob", "sched")
+_PASSAGES = ("exceptions", "execmodel", "naming", "import", "for", "try", "class", "function")
+_QUESTIONS = ("Write a short story about a lighthouse keeper who befriends a seagull.",
+              "What are some good habits for staying healthy while working from home?",
+              "Explain how a rainbow forms, as if to a ten-year-old.",
+              "Plan a three-day trip to a city you like and say why.",
+              "What makes a good friend? Give a few examples.",
+              "Describe your ideal breakfast and how to make it.",
+              "Why do people enjoy music? Give several reasons.",
+              "Tell me about the history of bicycles.")
+
+
+def _name_list(names):
+    """An argparse type: a comma list of names among `names`."""
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if not values or any(v not in names for v in values):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(names)}, got {text!r}")
+        return values
+    return parse
+
+
+def prompt_set(name: str, tokenizer, rows: int, budget: int) -> list[list[int]]:
+    """`rows` prompts of set `name` through the tokenizer's chat template, row b from the b-th
+    source (cycled): a standard-library module's code, a passage of the Python reference, or an
+    open question; a source is cut at a line so that the whole prompt has at most `budget` tokens."""
+    out = []
+    for b in range(rows):
+        if name == "code":
+            import importlib
+            text = Path(importlib.import_module(_CODE_MODULES[b % len(_CODE_MODULES)]).__file__).read_text()
+        elif name == "summary":
+            from pydoc_data.topics import topics
+            text = topics[_PASSAGES[b % len(_PASSAGES)]]
+        else:
+            text = _QUESTIONS[b % len(_QUESTIONS)]
+        lines = text.splitlines()
+        low, high = 0, len(lines)  # the most lines that fit: a binary search over the cut
+        while low < high:
+            mid = (low + high + 1) // 2
+            ids = _chat_ids(tokenizer, PROMPT_SETS[name].format(text="\n".join(lines[:mid])))
+            low, high = (mid, high) if len(ids) <= budget else (low, mid - 1)
+        ids = _chat_ids(tokenizer, PROMPT_SETS[name].format(text="\n".join(lines[:low])))
+        if len(ids) > budget:
+            raise ValueError(f"--prompt-len {budget} holds no prompt of set {name!r} ({len(ids)} tokens at least)")
+        out.append(ids)
+    return out
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
 def _rate_arg(text: str) -> float:
@@ -232,6 +308,11 @@ def parse_args(argv):
     p.add_argument("--verify", type=_int_list, metavar="T,...",
                    help="time one-token steps and steps of T tokens a row with every position's logits "
                         "(speculative verify steps) on a warm cache, instead of generate")
+    spec.add_argument("--prompt-set", type=_name_list(PROMPT_SETS), metavar="NAMES",
+                      help="with --model: real prompts through the model's chat template, built from "
+                           "Python's standard library, a comma list of " + ", ".join(PROMPT_SETS) +
+                           " (each row its own source, the whole prompt at most --prompt-len tokens); "
+                           "rows stop at the model's end of turn")
     p.add_argument("--peaks-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--floor-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -300,6 +381,8 @@ def parse_args(argv):
         p.error(f"--draft-model: no model at {args.draft_model!r}")
     if args.prompt_file is not None and (not args.model or not Path(args.prompt_file).is_file()):
         p.error("--prompt-file takes a text file, with --model (its tokenizer)")
+    if args.prompt_set and (not args.model or args.prompt_file):
+        p.error("--prompt-set takes --model (its tokenizer and chat template), not --prompt-file")
     # Refuse what the library cannot do yet rather than benchmark something else under its name.
     if args.kv_dtype == "bf16" and args.dtype != "bfloat16":
         p.error(f"--kv-dtype bf16 with --dtype {args.dtype} is not implemented yet in jaxllm "
@@ -612,7 +695,7 @@ def _memory(params, batch: int, tokens: int, cache_len: int, kv_dtype, devices=N
 
 
 def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
-            floor: dict) -> dict:
+            floor: dict, prompts: str | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -632,29 +715,37 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         text = Path(args.prompt_file).read_text()
         ids = np.array([jaxllm.load_tokenizer(args.model).encode(text)] * batch, np.int32)
         prompt_len = ids.shape[1]
+    stops = []  # random prompts: every row makes all new tokens
+    if prompts:  # real prompts: rows end at the model's end of turn, as a user's would
+        ids = prompt_set(prompts, jaxllm.load_tokenizer(args.model), batch, prompt_len)
+        prompt_len, stops = max(len(r) for r in ids), None
 
     kv_dtype = "int8" if args.kv_dtype == "int8" else None  # None: the cache follows the model dtype
     speculative = dict(speculative=args.draft, num_speculative=args.num_speculative,
                        synthetic_acceptance=args.synthetic_acceptance) if args.draft is not None else {}
 
     def generate(**spec):
-        return jaxllm.generate(params, ids, max_new_tokens=new, temperature=0.0, eos_token_ids=[],
+        return jaxllm.generate(params, ids, max_new_tokens=new, temperature=0.0, eos_token_ids=stops,
                                kv_dtype=kv_dtype, **(spec or speculative))
 
-    spec_fields = {}
+    spec_fields = {} if prompts is None else dict(prompt_set=prompts)
     if speculative:  # the plain baseline from the same run, then the speculative calls below
-        _wait(generate(speculative=None))
+        plain_out = _wait(generate(speculative=None))
+        plain_tokens = int(np.sum(np.asarray(plain_out.lengths)))
         plain_s, _ = _median_time(lambda: generate(speculative=None), args.repeat)
-        spec_fields = dict(speculate=args.speculate or args.draft_model or args.draft_preset,
-                           synthetic_acceptance=args.synthetic_acceptance, plain_generate_s=plain_s,
-                           plain_tokens_per_s=batch * new / plain_s)
+        from jaxllm.engine import speculative as spec_mod
+        spec_fields.update(speculate=args.speculate or args.draft_model or args.draft_preset,
+                           num_speculative=args.num_speculative, synthetic_acceptance=args.synthetic_acceptance,
+                           spec_default_on=batch <= args.spec_max_batch, plain_generate_s=plain_s,
+                           plain_tokens=plain_tokens, plain_tokens_per_s=plain_tokens / plain_s,
+                           verify_cost=spec_mod.current().verify_cost)
 
     log(f"bench: {label['preset'] or label['model']} batch {batch}, prompt {prompt_len}, {new} new tokens")
     t0 = time.perf_counter()
     out = _wait(generate())
     first_call_s = time.perf_counter() - t0
     lengths = np.asarray(out.lengths)
-    if not (lengths == new).all():
+    if stops is not None and not (lengths == new).all():
         raise RuntimeError(f"generate stopped early (lengths {sorted(set(lengths.tolist()))}, wanted {new})")
     # The model's devices: a sharded one's slowest sets each step's pace, and its fullest the peak.
     model_devices = _model_devices(params)
@@ -662,10 +753,18 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         generate_s, generate_all = _median_time(generate, args.repeat)
     if speculative:
         stats = out.stats
-        spec_fields.update(spec=stats.as_dict(), speedup=spec_fields["plain_generate_s"] / generate_s)
-        log(f"bench: speculative: {stats.tokens_per_step:.2f} tokens per target step, acceptance "
-            f"{stats.acceptance_rate:.1%}, histogram {list(stats.histogram)}, "
-            f"{spec_fields['speedup']:.2f}x plain generate")
+        made = int(np.sum(lengths))
+        same = [np.array_equal(np.asarray(a)[:n], np.asarray(b)[:m]) for a, b, n, m in
+                zip(out.tokens, plain_out.tokens, lengths, np.asarray(plain_out.lengths))]
+        spec_fields.update(spec=stats.as_dict(), spec_tokens=made, spec_tokens_per_s=made / generate_s,
+                           rows_same_as_plain=sum(same) / len(same),
+                           speedup=made / generate_s / spec_fields["plain_tokens_per_s"])
+        log(f"bench: speculative: {made / generate_s:.1f} tokens/s against {spec_fields['plain_tokens_per_s']:.1f} "
+            f"plain ({spec_fields['speedup']:.2f}x); {stats.tokens_per_step:.2f} tokens per target step, "
+            f"acceptance {stats.acceptance_rate:.1%}, {stats.verify_rounds} verify rounds of {stats.rounds}, "
+            f"histogram {list(stats.histogram)}")
+    elif prompts:
+        spec_fields.update(tokens=int(np.sum(lengths)))
     tokens, start, _ = pad_prompts(params, ids)
     cache_len = tokens.shape[1] + bucket(new)
     # Memory now: the prefill below, a program of its own, holds more than generate's whole loop
@@ -697,7 +796,8 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
     sample_s, _ = _median_time(lambda: jaxllm.sample(logits, key), 10)
     del logits
     ttft_s = prefill_s + sample_s
-    decode_s = (generate_s - ttft_s) / (new - 1)
+    steps = new if stops is not None else int(lengths.max())  # real prompts: the longest row's
+    decode_s = (generate_s - ttft_s) / (steps - 1) if steps > 1 else float("nan")
     decode_plan = step_plan(params, batch, 1, axis=None if params.tp is None else TP,
                             cache_length=cache_len, kv_int8=kv_dtype == "int8")
     if decode_s <= 0:
@@ -732,7 +832,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         prefill_pct_matmul_peak=100 * pt["flops"] / prefill_s / matmul_flops,
         sample_ms=sample_s * 1e3, ttft_ms=ttft_s * 1e3,
         decode_ms_per_step=decode_s * 1e3, decode_tokens_per_s_per_seq=1 / decode_s,
-        decode_tokens_per_s=batch / decode_s, end_to_end_tokens_per_s=batch * new / generate_s,
+        decode_tokens_per_s=batch / decode_s, end_to_end_tokens_per_s=int(np.sum(lengths)) / generate_s,
         decode_context_mean=context, weight_bytes_per_step=dt["weight_bytes"],
         kv_bytes_per_step=dt["kv_read_bytes"] + dt["kv_write_bytes"], bytes_per_step=step_bytes,
         achieved_tbps=achieved / 1e12, peak_tbps=peak_bw / 1e12, pct_peak_bw=100 * achieved / peak_bw,
@@ -929,24 +1029,32 @@ def main(argv=None) -> int:
             return _usage_error(f"--draft-preset: unknown preset {args.draft_preset!r}")
         args.draft = _wait(presets.random_params(presets.PRESETS[args.draft_preset], args.seed + 1, dtype,
                                                  quant=args.quant))
+    if args.draft is not None:
+        # Speculation is timed at every batch; spec_default_on says whether generate's default
+        # (which decodes plainly above SpecTuning.max_batch rows) would speculate there.
+        import dataclasses
+        from jaxllm.engine import speculative as spec_mod
+        args.spec_max_batch = spec_mod.current().max_batch
+        spec_mod.TUNING = dataclasses.replace(spec_mod.current(), max_batch=MAX_SIZE)
     # Each run is a new shape on purpose: jaxllm's warning about recompiling is noise here.
     warnings.filterwarnings("ignore", message="jaxllm: recompiling")
     results, failed = [], False
-    for prompt_len in args.prompt_len:
-        for batch in args.batch:
-            if args.verify:
-                failed |= not run_verify(params, label, batch, prompt_len, args)
-                continue
-            try:
-                result = run_one(params, label, batch, prompt_len, args, peaks,
-                                 floors.get(_floor_name(batch, prompt_len), {}))
-            except Exception as e:  # one failed shape (out of memory, over the context) ends only that run
-                failed = True
-                log(f"bench: batch {batch}, prompt {prompt_len} failed: {type(e).__name__}: {e}")
-                result = dict(label, batch=batch, prompt_len=prompt_len, new_tokens=args.new_tokens,
-                              error=f"{type(e).__name__}: {e}")
-            results.append(result)
-            print(json.dumps(_finite(result), allow_nan=False, default=str), flush=True)
+    for prompts in args.prompt_set or [None]:
+        for prompt_len in args.prompt_len:
+            for batch in args.batch:
+                if args.verify:
+                    failed |= not run_verify(params, label, batch, prompt_len, args)
+                    continue
+                try:
+                    result = run_one(params, label, batch, prompt_len, args, peaks,
+                                     floors.get(_floor_name(batch, prompt_len), {}), prompts)
+                except Exception as e:  # one failed shape (out of memory, over the context) ends only that run
+                    failed = True
+                    log(f"bench: batch {batch}, prompt {prompt_len} failed: {type(e).__name__}: {e}")
+                    result = dict(label, batch=batch, prompt_len=prompt_len, new_tokens=args.new_tokens,
+                                  error=f"{type(e).__name__}: {e}", **({"prompt_set": prompts} if prompts else {}))
+                results.append(result)
+                print(json.dumps(_finite(result), allow_nan=False, default=str), flush=True)
     if args.plot and not plot(results, args.plot):
         failed = True
     return 1 if failed else 0

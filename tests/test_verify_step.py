@@ -62,6 +62,10 @@ def test_attention_kernel_takes_at_most_128_query_rows_a_program():
     assert not attention_supports(128, 128, False, 384, True, tokens=9, q_per_kv=9)
     assert attention_supports(128, 128, False, 384, True, tokens=8, q_per_kv=16)
     assert attention_supports(128, 128, False, 384, True, q_per_kv=64)  # one token: no such limit
+    # heads of 256 (Gemma's): 64 rows, so the float32 sums fit as 128 rows of 128 do
+    assert attention_supports(256, 256, False, 384, True, tokens=9, q_per_kv=4)  # 16 x 4
+    assert not attention_supports(256, 256, False, 384, True, tokens=9, q_per_kv=8)  # 16 x 8
+    assert attention_supports(256, 256, False, 384, True, tokens=8, q_per_kv=8)  # 8 x 8
 
 
 def _verify_step(params, T: int, cache_length: int = 32):
@@ -76,7 +80,8 @@ def _verify_step(params, T: int, cache_length: int = 32):
     return step(params, jnp.asarray(random_tokens((3, T), seed=100 + T)), cache, all_logits=True)
 
 
-@pytest.mark.parametrize("name, T, rows_min", [("llama", 5, 2)])
+@pytest.mark.parametrize("name, T, rows_min", [("llama", 5, 2),
+                                               ("gemma2", 4, 2)])  # soft-capped scores, windows of 4
 def test_verify_step_through_the_kernels_equals_xla(monkeypatch, tiny, name, T, rows_min):
     _check_verify_step(monkeypatch, tiny(name).params, T, rows_min)
 
@@ -88,6 +93,7 @@ def test_verify_step_through_the_kernels_equals_xla(monkeypatch, tiny, name, T, 
     ("mistral", 9, 2),  # a window of 4 over 9 new tokens
     ("llama_tied", 2, 8),  # 6 rows: XLA's matrices, the attention kernel
     ("llama", 3, 8),  # 9 rows: the rows kernels from rows_min
+    ("gemma3", 4, 2),  # two ropes, (1 + w) q/k norms, GeGLU, post-norms; windows of 4
 ])
 def test_verify_step_of_each_family_through_the_kernels_equals_xla(monkeypatch, tiny, name, T,
                                                                    rows_min):
@@ -118,7 +124,7 @@ def _prompts(seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, k", [("llama", 3), ("qwen2_swa", 7)])
+@pytest.mark.parametrize("name, k", [("llama", 3), ("qwen2_swa", 7), ("gemma3", 3)])
 def test_speculative_greedy_through_the_kernels_equals_plain_greedy(monkeypatch, tiny, name, k):
     """generate with prompt lookup and with the target as its own draft, every step through the
     kernels (verify steps of 3 rows of k + 1 tokens: the rows kernels and verify_attention),

@@ -1,5 +1,5 @@
 """Speculative decoding: propose k tokens a row, check them with one target step over k+1
-positions, keep the longest run the target agrees with, all inside one `lax.while_loop`.
+positions, keep the longest run the target agrees with, all inside one jitted loop.
 
 A verify round, per row: the pending token x (emitted, not yet in the cache) and drafts
 d_1..d_k go through `step(..., all_logits=True)` at the row's end; the target's distributions
@@ -15,8 +15,9 @@ The loop alternates two inner loops: verify rounds while the next round has a dr
 one-token steps (generate's own step and pick) while it has none, because no row's last tokens
 match anything (prompt lookup) or because speculation is paused (adaptive k: a batch whose verify
 rounds return fewer tokens than they cost pauses for a number of plain steps that doubles while
-the probe after it fails). After each step a cheap test (`Proposer.ready`) decides which loop
-runs next, so a plain step pays only that test beside its step: no branch, no proposal.
+the probe after it fails; a draft model also runs fewer steps while its acceptance is low).
+After each step a cheap test (`Proposer.ready`) decides which loop runs next, so a plain step
+pays only that test beside its step: no branch, no proposal.
 
 Proposers: `NGram` (prompt lookup: the tokens after the latest earlier occurrence of the row's
 last n tokens in its prompt and output; q is one-hot) and `Draft` (a second model sharing the
@@ -37,7 +38,7 @@ from jaxllm.engine.sampling import SamplingFlags, SamplingParams, argmax, choose
     penalty_history, record, row_keys
 from jaxllm.env import env_ints, env_number
 from jaxllm.model.cache import KVCache, init_cache, rollback
-from jaxllm.model.params import Params
+from jaxllm.model.params import Params, param_bytes
 from jaxllm.model.transformer import rotation_table, step
 
 DEFAULT_K = {"ngram": 7, "draft": 3}
@@ -53,7 +54,7 @@ class SpecTuning:
     # decodes plainly, as a verify step over B * (k + 1) tokens stops being nearly free.
     max_batch: int = 8
     # A verify step's time in plain steps: a batch keeps speculating while its moving mean of
-    # tokens a live row gains a verify round is at least this.
+    # tokens a live row gains a verify round is at least this (plus a draft model's steps).
     verify_cost: float = 1.5
     decay: float = 0.8  # the moving mean's weight of the past
     min_pause: int = 4  # plain steps after a verify round that did not pay
@@ -110,7 +111,8 @@ class Context(NamedTuple):
     """What a proposer may read in a round (traced): the padded prompts then the output so far
     [B, width + W] (count_B output tokens a row, the last one, token_B, pending: not yet in the
     target's cache, at column width + count_B - 1, which is also its cache slot), the round
-    index, the penalties' history, the sampling settings and each row's round key."""
+    index, the penalties' history, the sampling settings, each row's round key, and how many of
+    the k drafts the round wants (adaptive k; the rest are not checked)."""
 
     seq_BS: jax.Array
     width: int  # static: the padded prompt's width
@@ -121,6 +123,7 @@ class Context(NamedTuple):
     sampling: SamplingParams
     flags: SamplingFlags
     keys_B: jax.Array
+    limit: jax.Array | int
 
     @property
     def end_B(self):
@@ -136,7 +139,10 @@ class Proposal(NamedTuple):
 
 class Proposer:
     """How drafts are made. `aux` is the proposer's traced data (a draft's params), `state` what
-    it carries between rounds; plain steps leave the state alone."""
+    it carries between rounds; plain steps leave the state alone. `step_cost`: a draft's cost in
+    the target's plain steps (0: drafts are free, every round proposes k)."""
+
+    step_cost = 0.0
 
     def init(self, aux, tokens_BT, start_B, cache_length: int, kv_int8: bool):
         return ()
@@ -226,9 +232,10 @@ class Draft(Proposer):
     """A draft model sharing the target's vocabulary: its own cache (the same slots), k steps a
     round drawing from its own filtered distribution. Plain steps do not run it: a proposal first
     feeds it the tokens its cache lacks (the plain steps' and a fully accepted round's last
-    draft), `chunk` at a time while more than one is missing."""
+    draft), `chunk` at a time while more than one is missing. It runs `ctx.limit` steps."""
 
     chunk: int = 8
+    step_cost: float = 0.0
 
     def init(self, aux, tokens_BT, start_B, cache_length, kv_int8):
         cache = init_cache(aux.config, tokens_BT.shape[0], cache_length + self.chunk, aux.dtype, start_B,
@@ -255,23 +262,29 @@ class Draft(Proposer):
         rotation = rotation_table(aux.config, cache.length) if aux.tp is None else None
         flags = ctx.flags
 
-        def one(carry, j):
-            token_B, cache, history = carry
+        B, V = ctx.token_B.shape[0], aux.config.vocab_size
+
+        def one(carry):
+            j, token_B, cache, history, d_BK, q_BKV = carry
             logits_BV, cache = step(aux, token_B[:, None], cache, rotation=rotation)
             logits_BV = penalize(logits_BV, history, ctx.sampling, flags)
             if flags.greedy:
-                d_B, q_BV = argmax(logits_BV), jnp.zeros((), jnp.float32)
+                d_B = argmax(logits_BV)
             else:
                 q_BV = probs(logits_BV, ctx.sampling, flags)
                 d_B = race(jax.vmap(lambda key: jax.random.fold_in(key, 100 + j))(ctx.keys_B), q_BV)
-            return (d_B, cache, record(history, d_B, jnp.ones_like(d_B, bool))), (d_B, q_BV)
+                q_BKV = jax.lax.dynamic_update_slice(q_BKV, q_BV[:, None], (0, j, 0))
+            d_BK = jax.lax.dynamic_update_slice(d_BK, d_B[:, None], (0, j))
+            return j + 1, d_B, cache, record(history, d_B, jnp.ones_like(d_B, bool)), d_BK, q_BKV
 
-        # k steps write the pending token and d_1..d_{k-1}; d_k waits for the next catch-up
-        (_, cache, _), (d_KB, q_KBV) = jax.lax.scan(one, (ctx.token_B, cache, ctx.history),
-                                                    jnp.arange(k, dtype=jnp.int32))
-        d_BK = d_KB.T
-        q_BKV = None if flags.greedy else q_KBV.transpose(1, 0, 2)
-        return Proposal(d_BK, jnp.ones(d_BK.shape, bool), q_BKV), cache
+        # `limit` steps write the pending token and d_1..d_{limit-1}; the last draft waits for
+        # the next catch-up
+        q_BKV = jnp.zeros((), jnp.float32) if flags.greedy else jnp.zeros((B, k, V), jnp.float32)
+        _, _, cache, _, d_BK, q_BKV = jax.lax.while_loop(
+            lambda carry: carry[0] < ctx.limit, one,
+            (jnp.int32(0), ctx.token_B, cache, ctx.history, jnp.zeros((B, k), jnp.int32), q_BKV))
+        valid_BK = jnp.broadcast_to(jnp.arange(k)[None] < ctx.limit, (B, k))
+        return Proposal(d_BK, valid_BK, None if flags.greedy else q_BKV), cache
 
     def commit(self, aux, cache, end_B):
         return cache.replace(end=jnp.minimum(cache.end, end_B))
@@ -347,12 +360,13 @@ class Spec(NamedTuple):
 
 
 class Policy(NamedTuple):
-    """Adaptive k's state (traced scalars): the moving mean of tokens a live row gains a verify
-    round, the step from which verify rounds may run again (an absolute index: plain steps do not
-    count down), the next pause's length, and whether the next verify round is a probe (its gain
-    replaces the mean)."""
+    """Adaptive k's state (traced scalars): the moving means of tokens a live row gains a verify
+    round and of a draft's acceptance (accepted over accepted and first rejections), the step from
+    which verify rounds may run again (an absolute index: plain steps do not count down), the next
+    pause's length, and whether the next verify round is a probe (its figures replace the means)."""
 
     mean: jax.Array
+    alpha: jax.Array
     resume: jax.Array
     pause: jax.Array
     probe: jax.Array
@@ -418,9 +432,21 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
     s_S = jnp.arange(Tb + W, dtype=jnp.int32)
     more = (lambda r: True) if until is None else (lambda r: r < until)
 
-    def context(c: Carry, keys_B=None) -> Context:
+    def context(c: Carry, keys_B=None, limit=K) -> Context:
         keys_B = jnp.zeros((B,), jnp.uint32) if keys_B is None else keys_B  # unread where None
-        return Context(c.seq_BS, Tb, c.token_B, c.count_B, c.r, c.history, sampling, flags, keys_B)
+        return Context(c.seq_BS, Tb, c.token_B, c.count_B, c.r, c.history, sampling, flags, keys_B, limit)
+
+    # Adaptive k for drafts that cost: the k in 1..K of the most tokens a unit of time, a round
+    # costing verify_cost + k draft steps and returning (1 - a^(k+1)) / (1 - a) at acceptance a
+    cost = proposer.step_cost if spec.adaptive else 0.0
+    k_K = jnp.arange(1, K + 1, dtype=jnp.int32)
+
+    def pick_k(alpha):
+        if not cost:
+            return K
+        a = jnp.clip(alpha, 0.0, 0.99)
+        gain_K = (1 - a ** (k_K + 1)) / (1 - a)
+        return jnp.argmax(gain_K / (tuning.verify_cost + cost * k_K)).astype(jnp.int32) + 1
 
     def next_go(c: Carry, policy: Policy):
         ready_B = proposer.ready(aux, c.pstate, context(c)) & ~c.done_B
@@ -445,7 +471,8 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
     def verify(c: Carry) -> Carry:
         count_B = c.count_B
         keys_B = None if flags.greedy and spec.synthetic is None else round_keys(sampling.seed, count_B)
-        ctx = context(c, keys_B)
+        limit = pick_k(c.policy.alpha)
+        ctx = context(c, keys_B, limit)
         (d_BK, valid_BK, q_BKV), pstate = proposer.propose(aux, c.pstate, ctx, K)
         logits_BJV, cache = step(params, jnp.concatenate([c.token_B[:, None], d_BK], axis=1), c.cache,
                                  all_logits=True)
@@ -483,10 +510,16 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
                      accepted=s["accepted"] + jnp.sum(n_B * live), hist=s["hist"].at[n_B].add(live))
         policy = c.policy
         if spec.adaptive:
+            def moving(old, new):
+                return jnp.where(policy.probe, new, tuning.decay * old + (1 - tuning.decay) * new)
             gain = jnp.sum(kept_B) / jnp.maximum(jnp.sum(live), 1)  # tokens a live row gained
-            mean = jnp.where(policy.probe, gain, tuning.decay * policy.mean + (1 - tuning.decay) * gain)
-            pays = mean >= tuning.verify_cost
-            policy = Policy(mean=mean, resume=jnp.where(pays, 0, c.r + 1 + policy.pause),
+            # a row that kept fewer than it was offered saw one rejection
+            seen = jnp.sum(n_B * live) + jnp.sum((n_B < jnp.sum(valid_BK, axis=1)) * live)
+            alpha = jnp.where(seen > 0, moving(policy.alpha, jnp.sum(n_B * live) / jnp.maximum(seen, 1)),
+                              policy.alpha)
+            mean = moving(policy.mean, gain)
+            pays = mean >= tuning.verify_cost + cost * limit
+            policy = Policy(mean=mean, alpha=alpha, resume=jnp.where(pays, 0, c.r + 1 + policy.pause),
                             pause=jnp.where(pays, tuning.min_pause, jnp.minimum(2 * policy.pause, tuning.max_pause)),
                             probe=~pays)
         c = Carry(c.r + 1, cache, seq_BS, x_B, count_B, done_B, history, pstate, c.go, policy, stats)
@@ -510,7 +543,7 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
         pstate = proposer.init(aux, tokens_BT, start_B, cache_length, kv_int8)
         stats = dict(verify=jnp.int32(0), drafted=jnp.int32(0), accepted=jnp.int32(0),
                      hist=jnp.zeros((K + 1,), jnp.int32))
-        policy = Policy(mean=jnp.float32(0), resume=jnp.int32(0), pause=jnp.int32(tuning.min_pause),
+        policy = Policy(mean=jnp.float32(0), alpha=jnp.float32(1), resume=jnp.int32(0), pause=jnp.int32(tuning.min_pause),
                         probe=jnp.bool_(True))
         carry = Carry(jnp.int32(0), cache, seq_BS, token_B, jnp.ones((B,), jnp.int32), done_B, history, pstate,
                       jnp.bool_(False), policy, stats)
@@ -576,7 +609,8 @@ def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning
                              f"({tc.vocab_size}): a draft must share the tokenizer")
         if (speculative.tp is None) != (params.tp is None):
             raise ValueError("the draft model and the target must both be sharded or both not")
-        proposer, aux, kind = Draft(), speculative, "draft"
+        # a draft step's cost in target steps: at small batch both read their weights once
+        proposer, aux, kind = Draft(step_cost=param_bytes(speculative) / param_bytes(params)), speculative, "draft"
     elif isinstance(speculative, Proposer):
         proposer, aux, kind = speculative, getattr(speculative, "aux", None), "draft"
     else:

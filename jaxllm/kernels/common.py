@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from jaxllm import runtime
 from jaxllm.kernels.tuning import KernelTuning
+from jaxllm.layers import dense as L
 
 # Every family is written for Pallas' Triton backend, which JAX 0.11 deprecated: imported here
 # only, so that a JAX without it (or one where it fails to import) still imports jaxllm, and the
@@ -63,11 +64,19 @@ def dot_t(a_MK, b_NK):
     return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def swiglu(gate, up, dtype):
-    """silu(gate) * up in float32, from float32 sums, rounded as `layers.mlp` rounds it: the
-    products in the model's dtype, then silu(gate) in it."""
+# The gate activations the kernels compute: SwiGLU's silu, and Gemma's tanh GELU (GeGLU) as
+# `layers.ACTIVATION` writes it (its float32 arithmetic, here on float32 values).
+GATES = ("silu", "gelu_tanh")
+
+
+def swiglu(gate, up, dtype, activation: str = "silu"):
+    """act(gate) * up in float32, from float32 sums, rounded as `layers.mlp` rounds it: the
+    products in the model's dtype, then act(gate) in it; act silu (SwiGLU) or, with `activation`
+    "gelu_tanh", tanh GELU (Gemma's GeGLU)."""
     gate, up = (y.astype(dtype).astype(jnp.float32) for y in (gate, up))
-    return (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(jnp.float32) * up
+    if activation == "silu":
+        return (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(jnp.float32) * up
+    return L.ACTIVATION[activation](gate).astype(dtype).astype(jnp.float32) * up
 
 
 def power_of_2(n):

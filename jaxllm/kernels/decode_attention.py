@@ -26,12 +26,13 @@ def supports(head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int, g
     and a cache length that is a multiple of 16 (its blocks of slots are tensor-core operands;
     `generate`'s bucketed lengths always are, a hand-made cache may not be). Several `tokens` a
     row (`verify_attention`, `q_per_kv` queries a KV head each): at most VERIFY_QUERY_ROWS query
-    rows a program."""
+    rows a program, half as many for heads of 256 (their float32 sums stay within the registers
+    of 128 rows of 128)."""
     if kv_int8 or rotary_dim != head_dim or cache_length % 16:
         return False
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1) or head_dim < 16:
         return False
-    if tokens > 1 and math.prod(_query_tile(tokens, q_per_kv)) > VERIFY_QUERY_ROWS:
+    if tokens > 1 and math.prod(_query_tile(tokens, q_per_kv)) * max(head_dim, 128) > VERIFY_QUERY_ROWS * 128:
         return False
     return not (gpu and head_dim < 32)
 
@@ -41,6 +42,18 @@ def _query_tile(T: int, G: int) -> tuple[int, int]:
     two, at least QUERY_ROWS rows in all (the padding masked)."""
     Gp = pow2(G)
     return max(pow2(T), QUERY_ROWS // min(Gp, QUERY_ROWS)), Gp
+
+
+def _offset_normed(x, w, offset: float, dtype):
+    """A q/k half already times its inverse RMS (float32) through a (offset + w) norm, as
+    `layers.rms_norm` with an offset rounds it: the product in float32, then the dtype."""
+    return (x * (offset + w.astype(jnp.float32))).astype(dtype).astype(jnp.float32)
+
+
+def _capped(s, softcap: float | None):
+    """Scores soft-capped to tanh(s / c) * c where the model caps them (Gemma 2), as
+    `layers.attention`; else s as it is."""
+    return s if softcap is None else jnp.tanh(s / softcap) * softcap
 
 
 def _block(length: int, tuning: KernelTuning) -> int:
@@ -82,10 +95,12 @@ class SplitHeads:
                 / jnp.sum(self.l * w_BPKG, axis=1)[..., None]).astype(self.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "split_out", "tuning"))
+@functools.partial(jax.jit, static_argnames=("window", "eps", "scale", "softcap", "norm_offset",
+                                             "interpret", "split_out", "tuning"))
 def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
                      window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
-                     interpret: bool = False, split_out: bool = False,
+                     scale: float | None = None, softcap: float | None = None,
+                     norm_offset: float = 0.0, interpret: bool = False, split_out: bool = False,
                      tuning: KernelTuning | None = None):
     """One new token per row, in one kernel: rotate its q and k, write k and v at the row's slot
     end_b, and attend over the row's live slots (start_b .. end_b, the last `window` if given).
@@ -100,6 +115,10 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
     with `split_out`, out is a `SplitHeads` when the cache took more than one split.
     Scores, softmax and the weighted sum run in float32. Jitted, so the layers of a model share
     one lowering of the kernel. `tuning`: the tiles and splits (`tuning.current()` if None).
+    As `layers.attention`, `scale` multiplies the scores (None: H^-1/2) and `softcap` c caps them
+    to tanh(s / c) * c before the mask (Gemma 2); the q/k norms scale by (norm_offset + w), as
+    `layers.rms_norm` with its offset (Gemma 3). Each is a static switch: off, the kernel's
+    program is the one without it.
     """
     tuning = tuning or current()
     B, K, J, H = qkv_BKJH.shape
@@ -111,7 +130,9 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
     qk_norm = q_norm_H is not None
     kernel = functools.partial(_decode_attention_kernel, G=G, R=R, window=window, span=span,
                                block=block, splits=splits, eps=eps, qk_norm=qk_norm, P=rows,
-                               trigger=pdl_trigger(interpret, tuning))
+                               trigger=pdl_trigger(interpret, tuning),
+                               scale=H ** -0.5 if scale is None else scale, softcap=softcap,
+                               norm_offset=norm_offset)
     row = lambda *block_shape: pl.BlockSpec(block_shape, lambda b, k, s: (b,) + (0,) * (len(block_shape) - 1))
     head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
     vector = pl.BlockSpec((H,), lambda b, k, s: (0,))
@@ -151,7 +172,8 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
 
 
 def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
-                             G, R, window, span, block, splits, eps, qk_norm, P, trigger):
+                             G, R, window, span, block, splits, eps, qk_norm, P, trigger, scale,
+                             softcap, norm_offset):
     """One (row, KV head, split of the cache) program; see `decode_attention`.
 
     The G queries of the KV head sit in a tile of P >= 16 rows (the rest masked), so scores and
@@ -176,7 +198,11 @@ def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
     is_query = jnp.arange(P) < G
 
     def rotated(x1, x2, norm_ref):  # float32 [rows, R] halves, normed (Qwen3) and rotated
-        if norm_ref is not None:  # as layers.rms_norm: normalize in float32, weight in the dtype
+        if norm_ref is not None and norm_offset:  # Gemma 3's (1 + w): as layers.rms_norm, in float32
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / H + eps)
+            x1, x2 = (_offset_normed(x * inv[:, None], norm_ref[pl.ds(at, R)][None, :], norm_offset, dtype)
+                      for x, at in ((x1, 0), (x2, R)))
+        elif norm_ref is not None:  # as layers.rms_norm: normalize in float32, weight in the dtype
             inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / H + eps)
             x1 = ((x1 * inv[:, None]).astype(dtype) * norm_ref[pl.ds(0, R)][None, :]).astype(f32)
             x2 = ((x2 * inv[:, None]).astype(dtype) * norm_ref[pl.ds(R, R)][None, :]).astype(f32)
@@ -197,11 +223,10 @@ def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
         k_out_ref[pl.ds(end, 1), pl.ds(R, R)] = k2
         v_out_ref[pl.ds(end, 1), :] = v
 
-    scale = H ** -0.5
     # 1.0 or 0.0 from integers: Pallas' Triton lowering took a bool -> float convert for a no-op.
     owned = (1 - jnp.minimum(jnp.abs(end // span - part), 1)).astype(f32)
-    new_score = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
-                 + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale
+    new_score = _capped((jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
+                         + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale, softcap)
     m = jnp.where(owner, new_score, NEG)
     l = jnp.zeros((P,), f32) + owned
     acc = jnp.zeros((P, H), f32) + v.astype(f32) * owned
@@ -217,7 +242,7 @@ def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
         seen = ((slot >= first) & (slot < last))[None, :]
         kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
         kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
-        s = (dot_t(q1, kb1) + dot_t(q2, kb2)) * scale  # [P, block]
+        s = _capped((dot_t(q1, kb1) + dot_t(q2, kb2)) * scale, softcap)  # [P, block]
         s = jnp.where(seen, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
@@ -241,10 +266,13 @@ def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
 
 # A speculative verify step (issue 60) writes k+1 <= 9 tokens a row into a warm cache: XLA's
 # prefill form read the whole cache and ran a kernel per small op, at 1.2-1.9x a decode step.
-@functools.partial(jax.jit, static_argnames=("window", "eps", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("window", "eps", "scale", "softcap", "norm_offset",
+                                             "interpret", "tuning"))
 def verify_attention(qkv_BTKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
                      window: int | None = None, q_norm_H=None, k_norm_H=None, eps: float = 1e-6,
-                     interpret: bool = False, tuning: KernelTuning | None = None):
+                     scale: float | None = None, softcap: float | None = None,
+                     norm_offset: float = 0.0, interpret: bool = False,
+                     tuning: KernelTuning | None = None):
     """`decode_attention` for T new tokens a row: token t of row b sits at slot end_b + t (position
     end_b + t - start_b, clamped to 0 as XLA's), is rotated and written there, and attends over
     the row's live cached slots (start_b .. end_b, within `window` of its own slot) and over the
@@ -256,7 +284,8 @@ def verify_attention(qkv_BTKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
     program whose split holds slot end_b writes them and counts them in its sums). Returns
     (out [B, T, K, G, H], k, v), the splits combined by XLA. Scores, softmax and the weighted
     sums run in float32, the dots' operands in the model dtype. The caller guarantees
-    end_b + T <= S. `tuning.verify_tiles`: blocks of slots, splits, warps.
+    end_b + T <= S. `tuning.verify_tiles`: blocks of slots, splits, warps. `scale`, `softcap`
+    and `norm_offset` as `decode_attention`'s.
     """
     tuning = tuning or current()
     B, T, K, J, H = qkv_BTKJH.shape
@@ -269,7 +298,9 @@ def verify_attention(qkv_BTKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
     qk_norm = q_norm_H is not None
     kernel = functools.partial(_verify_attention_kernel, T=T, G=G, R=R, window=window, span=span,
                                block=block, splits=splits, eps=eps, qk_norm=qk_norm, Tq=Tq, Gp=Gp,
-                               Tn=max(QUERY_ROWS, pow2(T)), trigger=pdl_trigger(interpret, tuning))
+                               Tn=max(QUERY_ROWS, pow2(T)), trigger=pdl_trigger(interpret, tuning),
+                               scale=H ** -0.5 if scale is None else scale, softcap=softcap,
+                               norm_offset=norm_offset)
     row = lambda: pl.BlockSpec((1,), lambda b, k, s: (b,))
     head = lambda *block_shape: pl.BlockSpec((None, None, *block_shape), lambda b, k, s: (b, k, 0, 0))
     tokens = lambda *block_shape: pl.BlockSpec(  # [T, ...] of row b, KV head k
@@ -308,7 +339,7 @@ def verify_attention(qkv_BTKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
 
 def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
                              T, G, R, window, span, block, splits, eps, qk_norm, Tq, Gp, Tn,
-                             trigger):
+                             trigger, scale, softcap, norm_offset):
     """One (row, KV head, split of the cache) program of `verify_attention`.
 
     Query row i of the [Tq * Gp, H] tile is token i // Gp's query i % Gp (a power of two, so the
@@ -333,7 +364,11 @@ def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
         return rotation_ref[at, cols], rotation_ref[at, cols + R]
 
     def rotated(x1, x2, norm_ref, cos, sin):  # float32 halves [..., R], normed (Qwen3), rotated
-        if norm_ref is not None:  # as layers.rms_norm: normalize in float32, weight in the dtype
+        if norm_ref is not None and norm_offset:  # Gemma 3's (1 + w): as layers.rms_norm, in float32
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / H + eps)[..., None]
+            x1, x2 = (_offset_normed(x * inv, norm_ref[pl.ds(at, R)], norm_offset, dtype)
+                      for x, at in ((x1, 0), (x2, R)))
+        elif norm_ref is not None:  # as layers.rms_norm: normalize in float32, weight in the dtype
             inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / H + eps)[..., None]
             x1 = ((x1 * inv).astype(dtype) * norm_ref[pl.ds(0, R)]).astype(f32)
             x2 = ((x2 * inv).astype(dtype) * norm_ref[pl.ds(R, R)]).astype(f32)
@@ -362,7 +397,6 @@ def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
         plt.store(k_out_ref.at[pl.ds(end, Tn), pl.ds(R, R)], k2, mask=new[:, None])
         plt.store(v_out_ref.at[pl.ds(end, Tn), :], v, mask=new[:, None])
 
-    scale = H ** -0.5
     q_slot = end + jnp.arange(P) // Gp  # each query row's own slot
     lo = start if window is None else jnp.maximum(start, q_slot + 1 - window)
     lo = jnp.zeros((P,), jnp.int32) + lo  # [P]: the first slot each query sees
@@ -374,7 +408,7 @@ def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
     # and the ones before it in its window.
     new_slot = end + jnp.arange(Tn)
     seen = (sees(new_slot) | (new_slot[None, :] == q_slot[:, None])) & new[None, :] & owner
-    s = (dot_t(q1, k1.astype(dtype)) + dot_t(q2, k2.astype(dtype))) * scale  # [P, Tn]
+    s = _capped((dot_t(q1, k1.astype(dtype)) + dot_t(q2, k2.astype(dtype))) * scale, softcap)  # [P, Tn]
     s = jnp.where(seen, s, NEG)
     m = jnp.max(s, axis=1)
     p = jnp.where(seen, jnp.exp(s - m[:, None]), 0.0)
@@ -393,7 +427,7 @@ def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
         seen = sees(slot) & ((slot >= first) & (slot < last))[None, :]
         kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
         kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
-        s = (dot_t(q1, kb1) + dot_t(q2, kb2)) * scale  # [P, block]
+        s = _capped((dot_t(q1, kb1) + dot_t(q2, kb2)) * scale, softcap)  # [P, block]
         s = jnp.where(seen, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)

@@ -23,7 +23,7 @@ from jaxllm.kernels.tuning import KernelTuning
 from jaxllm.layers.quant import quantize
 
 _D, _F, _H = 256, 512, 64  # small, but within every family's tiles on a GPU
-_results: dict[tuple[str, str, KernelTuning], bool] = {}
+_results: dict[tuple, bool] = {}
 _lock = threading.RLock()
 _probing = threading.local()
 
@@ -41,20 +41,28 @@ def _compile(fn, *specs) -> None:
     jax.jit(fn).lower(*specs).compile()
 
 
-def _decode_attention(mode: str, t: KernelTuning) -> None:
-    B, K, G, S = 2, 2, 2, 256
-    _compile(lambda qkv, k, v, end, start, rot: decode_attention(
-        qkv, k, v, end, start, rot, interpret=mode == "interpret", tuning=t),
-        _spec((B, K, G + 2, _H)), _spec((B, K, S, _H)), _spec((B, K, S, _H)),
-        _spec((B,), jnp.int32), _spec((B,), jnp.int32), _spec((S, 2, _H // 2), jnp.float32))
+def _attention(kernel, mode: str, t: KernelTuning, tokens: int, head_dim: int = _H, q_per_kv: int = 2,
+               qk_norm: bool = False, **switches) -> None:
+    """`kernel` (decode or verify attention) at the model's head size, group and score switches
+    (scale, soft cap, norm offset): what a step compiles, at 2 rows of 256 slots."""
+    B, K, G, S, H = 2, 2, q_per_kv, 256, head_dim
+    qkv = _spec((B, K, G + 2, H) if tokens == 1 else (B, tokens, K, G + 2, H))
+    norms = (_spec((H,)), _spec((H,))) if qk_norm else ()
+
+    def run(qkv, k, v, end, start, rot, *norm):
+        q_norm, k_norm = norm or (None, None)
+        return kernel(qkv, k, v, end, start, rot, q_norm_H=q_norm, k_norm_H=k_norm,
+                      interpret=mode == "interpret", tuning=t, **switches)
+    _compile(run, qkv, _spec((B, K, S, H)), _spec((B, K, S, H)), _spec((B,), jnp.int32),
+             _spec((B,), jnp.int32), _spec((S, 2, H // 2), jnp.float32), *norms)
 
 
-def _verify_attention(mode: str, t: KernelTuning) -> None:
-    B, T, K, G, S = 2, 4, 2, 2, 256
-    _compile(lambda qkv, k, v, end, start, rot: verify_attention(
-        qkv, k, v, end, start, rot, interpret=mode == "interpret", tuning=t),
-        _spec((B, T, K, G + 2, _H)), _spec((B, K, S, _H)), _spec((B, K, S, _H)),
-        _spec((B,), jnp.int32), _spec((B,), jnp.int32), _spec((S, 2, _H // 2), jnp.float32))
+def _decode_attention(mode: str, t: KernelTuning, **variant) -> None:
+    _attention(decode_attention, mode, t, 1, **variant)
+
+
+def _verify_attention(mode: str, t: KernelTuning, **variant) -> None:
+    _attention(verify_attention, mode, t, 4, **variant)
 
 
 def _project(mode: str, t: KernelTuning) -> None:
@@ -82,16 +90,17 @@ PROBES = {"decode_attention": _decode_attention, "verify_attention": _verify_att
           "add_norm": _add_norm, "route": _route}
 
 
-def compiles(family: str, mode: str | None, tuning: KernelTuning) -> str | None:
-    """`mode` where kernel `family` compiles here under it (tried once a process), else None."""
+def compiles(family: str, mode: str | None, tuning: KernelTuning, **variant) -> str | None:
+    """`mode` where kernel `family` compiles here under it (tried once a process for each
+    `variant`: the attention's head size, group and score switches), else None."""
     if mode is None:
         return None
-    key = (family, mode, tuning)
+    key = (family, mode, tuning, tuple(sorted(variant.items())))
     with _lock:  # the plan may be made on several threads (an engine's, a caller's)
         if key not in _results:
             _probing.on = True
             try:
-                PROBES[family](mode, tuning)
+                PROBES[family](mode, tuning, **variant)
                 _results[key] = True
             except Exception as e:  # whatever a lowering or a compiler raises
                 reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]

@@ -33,12 +33,13 @@ def int8_tiled(w_NC, tuning: KernelTuning | None = None) -> bool:
 
 
 def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
-            swiglu: bool = False, out_dtype=None, mode: str | None = None, prefetch=(),
-            weights_first: bool = False, down_digits_of=None, wide: bool | None = None,
+            swiglu: bool = False, activation: str = "silu", out_dtype=None, mode: str | None = None,
+            prefetch=(), weights_first: bool = False, down_digits_of=None, wide: bool | None = None,
             tuning: KernelTuning | None = None):
     """[residual +] (rms_norm(x) if norm else x) @ w.T [+ bias], or with `swiglu` (w [2, F, C]: gate
-    and up) silu(gate) * up: XLA's `layers` arithmetic, in one kernel when `mode` is "gpu" or
-    "interpret", x is one row and `supports` w, else in XLA.
+    and up) act(gate) * up, act silu or `activation` (`common.GATES`: Gemma's "gelu_tanh"): XLA's
+    `layers` arithmetic, in one kernel when `mode` is "gpu" or "interpret", x is one row and
+    `supports` w, else in XLA.
 
     w may be a `QuantizedWeight` (int8 rows, per-output scales), converted in registers.
     The kernel scales each row's products by the norm's inverse RMS after the sum (exact in real
@@ -59,7 +60,8 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     """
     t = tuning or current()
     if isinstance(x_MC, DigitRow):
-        plain = norm_C is None and bias_N is None and residual_MN is None
+        # (the digits kernel's gate is silu)
+        plain = norm_C is None and bias_N is None and residual_MN is None and activation == "silu"
         kind = "down" if x_MC.count == DOWN_DIGITS else "gate_up" if swiglu else "head"
         if plain and mode is not None and isinstance(w_NC, QuantizedWeight) and D.supports(w_NC, kind, t):
             return D.digits_call(x_MC, w_NC, *(down_digits_of or ()), kind=kind,
@@ -79,7 +81,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
                                   and heads_values(heads) <= t.fused_heads_values):
         x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines the splits
     if not takes:
-        return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
+        return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype, activation)
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     float_w = not isinstance(w_NC, QuantizedWeight)  # its own tiles and order below where int8
     if int8_tiled(w_NC, t):
@@ -99,8 +101,9 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     ahead = () if interpret else tuple(  # int8 bytes only: the scales are few
         stored(w) for w in prefetch)
     return _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead, eps=eps,
-                                swiglu=swiglu, out_dtype=jnp.dtype(out_dtype), rows=rows,
-                                chunk=chunk, warps=warps, interpret=interpret,
+                                swiglu=swiglu, activation=activation,
+                                out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
+                                warps=warps, interpret=interpret,
                                 lines=t.prefetch_lines and not weights_first,
                                 weights_first=weights_first and heads is None and C <= chunk,
                                 squares_last=t.squares_last and float_w,
@@ -114,13 +117,13 @@ def heads_values(heads: SplitHeads) -> int:
     return pow2(P) * pow2(K * G) * H
 
 
-def project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype):
+def project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype, activation="silu"):
     """`project` as the layers compose it in XLA."""
     if norm_C is not None:
         x_MC = L.rms_norm(x_MC, norm_C, eps)
     if swiglu:
         y_MN = L.project(x_MC, w_NC)
-        y_MN = jax.nn.silu(y_MN[:, 0]) * y_MN[:, 1]
+        y_MN = L.ACTIVATION[activation](y_MN[:, 0]) * y_MN[:, 1]
     else:
         y_MN = L.project(x_MC, w_NC, out_dtype)
     if bias_N is not None:
@@ -128,12 +131,12 @@ def project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype)
     return y_MN if residual_MN is None else residual_MN + y_MN
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "out_dtype", "rows", "chunk",
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "activation", "out_dtype", "rows", "chunk",
                                              "warps", "interpret", "weights_first",
                                              "squares_last", "lines", "permute_int8",
                                              "trigger"))
 def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, eps, swiglu,
-                         out_dtype, rows, chunk, warps, interpret, weights_first=False,
+                         out_dtype, rows, chunk, warps, interpret, activation="silu", weights_first=False,
                          squares_last=False, lines=False, permute_int8=False, trigger=False):
     """The pallas_call of `project`: one program per `rows` output channels."""
     scales = None
@@ -179,7 +182,8 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
     specs += [pl.BlockSpec(a.shape, lambda j: (0,)) for a in ahead]
     args += ahead
     kernel = functools.partial(
-        _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, norm=norm_C is not None,
+        _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, activation=activation,
+        norm=norm_C is not None,
         scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
         heads=heads, permute_int8=permute_int8, trigger=trigger, ahead=len(ahead), grid=width // rows, lanes=32 * warps,
         weights_first=weights_first, squares_last=squares_last or weights_first, lines=lines)
@@ -192,7 +196,7 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
 
 
 def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads,
-                    permute_int8=False, trigger=False, ahead=0, grid=1, lanes=128,
+                    activation="silu", permute_int8=False, trigger=False, ahead=0, grid=1, lanes=128,
                     weights_first=False, squares_last=False, lines=False):
     """One program: `project` for a few output channels, reading their weight rows in as few
     chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
@@ -245,7 +249,7 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
         ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]
     ys = [y if s_ref is None else y * s_ref[...] for y, s_ref in zip(ys, s_refs)]
     if swiglu:
-        y = _swiglu(*ys, dtype)
+        y = _swiglu(*ys, dtype, activation)
     else:
         y = ys[0]
     y = y.astype(o_ref.dtype)

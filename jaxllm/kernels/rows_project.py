@@ -46,19 +46,21 @@ def _tiles_of(w_NC, swiglu: bool, tuning: KernelTuning | None):
 
 
 def rows_project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual_MN=None,
-                 swiglu: bool = False, mode: str | None = None, tuning: KernelTuning | None = None):
+                 swiglu: bool = False, activation: str = "silu", mode: str | None = None,
+                 tuning: KernelTuning | None = None):
     """`project` for a decode step's rows: [residual +] (rms_norm(x) if norm else x) @ w.T
-    [+ bias], or with `swiglu` silu(gate) * up; the product and its epilogue in one kernel under
+    [+ bias], or with `swiglu` act(gate) * up (act silu, or `activation` as `project`'s); the
+    product and its epilogue in one kernel under
     `mode` where `supports` w and x has at most `rows_max` rows, else XLA's form. The norm is
     always XLA's, before the kernel."""
     t = tuning or current()
     tiles = None if mode is None else _tiles_of(w_NC, swiglu, t)
     if tiles is None or x_MC.shape[0] > t.rows_max:
-        return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, x_MC.dtype)
+        return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, x_MC.dtype, activation)
     if norm_C is not None:
         x_MC = L.rms_norm(x_MC, norm_C, eps)
-    return _rows_call(x_MC, w_NC, bias_N, residual_MN, swiglu=swiglu, tiles=tiles,
-                      interpret=mode == "interpret", tuning=t)
+    return _rows_call(x_MC, w_NC, bias_N, residual_MN, swiglu=swiglu, activation=activation,
+                      tiles=tiles, interpret=mode == "interpret", tuning=t)
 
 
 def _rows_padded(M: int) -> int:
@@ -67,9 +69,9 @@ def _rows_padded(M: int) -> int:
     return max(16, pow2(M))
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu", "tiles", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("swiglu", "activation", "tiles", "interpret", "tuning"))
 def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, interpret,
-               tuning: KernelTuning):
+               tuning: KernelTuning, activation: str = "silu"):
     """The pallas_call of `rows_project`: one program per `outputs` columns of the output, its
     weights streamed in chunks of C (a loop Triton pipelines)."""
     outputs, chunk, warps, stages = tiles
@@ -91,7 +93,7 @@ def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, inte
         specs.append(columns)
         args.append(residual_MN)
     kernel = functools.partial(
-        _rows_kernel, M=M, chunk=chunk, swiglu=swiglu, biased=bias_N is not None,
+        _rows_kernel, M=M, chunk=chunk, swiglu=swiglu, activation=activation, biased=bias_N is not None,
         residual=residual_MN is not None,
         trigger=pdl_trigger(interpret, tuning) and P >= tuning.rows_signal_rows)
     return pl.pallas_call(
@@ -101,7 +103,7 @@ def _rows_call(x_MC, w_NC, bias_N=None, residual_MN=None, *, swiglu, tiles, inte
         interpret=interpret, name="decode_rows_project")(*args)
 
 
-def _rows_kernel(x_ref, *refs, M, chunk, swiglu, biased, residual, trigger):
+def _rows_kernel(x_ref, *refs, M, chunk, swiglu, biased, residual, trigger, activation="silu"):
     """One program of `_rows_call`: its outputs' sums over the chunks of C, each a tensor-core
     dot of x's rows (padded to P >= 16, the padding masked) with the chunk of weights."""
     refs = list(refs)
@@ -122,7 +124,7 @@ def _rows_kernel(x_ref, *refs, M, chunk, swiglu, biased, residual, trigger):
 
     zeros = jnp.zeros((P, w_refs[0].shape[0]), jnp.float32)
     sums = jax.lax.fori_loop(0, C // chunk, step, (zeros,) * len(w_refs))
-    y = (_swiglu(*sums, x_ref.dtype) if swiglu else sums[0]).astype(o_ref.dtype)
+    y = (_swiglu(*sums, x_ref.dtype, activation) if swiglu else sums[0]).astype(o_ref.dtype)
     if biased:
         y = y + b_ref[...].astype(o_ref.dtype)[None, :]
     if residual:

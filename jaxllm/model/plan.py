@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from jaxllm import runtime
-from jaxllm.kernels.common import can_prefetch, mode
+from jaxllm.kernels.common import GATES, can_prefetch, mode
 from jaxllm.kernels.decode_attention import supports as attention_supports
 from jaxllm.kernels.digits import supports as digits_supports
 from jaxllm.kernels.probe import compiles
@@ -70,30 +70,38 @@ class StepPlan:
     axis: str | None = None
 
 
-def fused_paths_allowed(cfg: ModelConfig) -> bool:
-    """The one place where a model feature turns the fused block kernels off (projections, add+norm,
-    routing). They fold a plain RMSNorm (x * w) into their products, apply SwiGLU and add the
-    residual straight after o and down; a model with a (1 + w) norm, GeGLU, or norms after the
-    attention or the MLP (Gemma 2/3) is declared here, so that it takes XLA's forms of `layers`
-    until the kernels learn the feature. (The final logits' soft cap is applied to the lm_head's
-    output whichever path made it, and the embedding scale to the lookup: neither is a kernel's.)"""
-    return cfg.norm_offset == 0.0 and cfg.activation == "silu" and not cfg.post_norms
+@dataclasses.dataclass(frozen=True)
+class ModelFusions:
+    """Which of the block kernels' fusions a model's arithmetic allows (`model_fusions`). Every
+    model's matrices take the projection kernels as plain products, its attention the decode
+    kernels (whose switches hold Gemma's score scale, soft cap, (1 + w) q/k norms and a rotation
+    table a rope) and its residual adds `add_norm` (which norms by (1 + w) and takes Gemma's
+    post-norms); what a kernel cannot express is a fusion turned off here, for that model only."""
+    fold_norms: bool  # a norm folds into `project`'s product as x * w: not Gemma's (1 + w) ones
+    fold_residual: bool  # o and down add the residual: no norm of their output first (Gemma's post-norms)
+    gate_kernel: bool  # gate/up's kernels compute the gate's activation (`kernels.common.GATES`)
+    digits: bool  # gate/up may take its input as int8 digits: the digits kernel's gate is silu
 
 
-def decode_attention_allowed(cfg: ModelConfig) -> bool:
-    """Whether the model's attention is one the decode-attention kernel computes: scores scaled by
-    H^-1/2 and not soft-capped, q/k norms (if any) plain, and one rope, whose table
-    (`transformer.rotation_table`) it reads. Gemma 2 caps its scores, Gemma 3 has a local and a
-    global rope and (1 + w) q/k norms: both take XLA's attention."""
-    return (cfg.attn_scale == cfg.head_dim ** -0.5 and cfg.attn_logit_softcap is None
-            and len(cfg.ropes) == 1 and cfg.norm_offset == 0.0)
+def model_fusions(cfg: ModelConfig) -> ModelFusions:
+    """The one place where a model feature turns a fusion off. (The final logits' soft cap is
+    applied to the lm_head's output whichever path made it, and the embedding scale to the
+    lookup: neither is a kernel's.)"""
+    return ModelFusions(fold_norms=cfg.norm_offset == 0.0, fold_residual=not cfg.post_norms,
+                        gate_kernel=cfg.activation in GATES, digits=cfg.activation == "silu")
 
 
 # --- the rules, one a kernel family (figures: docs/decisions/)
 
+def score_switches(cfg: ModelConfig) -> dict:
+    """The attention kernels' static switches for the model's scores and q/k norms: its score scale
+    (Gemma's query_pre_attn_scalar), soft cap (Gemma 2) and norm offset (Gemma 3's (1 + w))."""
+    return dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, norm_offset=cfg.norm_offset)
+
+
 def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, cache_length: int,
                           tuning: KernelTuning | None = None, tokens: int = 1,
-                          q_per_kv: int = 1) -> str | None:
+                          q_per_kv: int = 1, **switches) -> str | None:
     """"gpu", "interpret" or None (XLA's form): whether a decode step's attention takes the kernel
     (`decode_attention`; a verify step's `tokens` a row, of `q_per_kv` queries a KV head,
     `verify_attention`): a float16/bfloat16 model (float32 keeps XLA's exact form) within the
@@ -103,7 +111,10 @@ def decode_attention_mode(dtype, head_dim: int, rotary_dim: int, kv_int8: bool, 
     if m is None or not attention_supports(head_dim, rotary_dim, kv_int8, cache_length, m == "gpu",
                                            tokens, q_per_kv):
         return None
-    return compiles("decode_attention" if tokens == 1 else "verify_attention", m, t)
+    # compiled at the model's head size, group and score `switches` (scale, softcap, norm_offset,
+    # qk_norm): a Gemma's heads of 256 ask the GPU more than the probe's default
+    return compiles("decode_attention" if tokens == 1 else "verify_attention", m, t, head_dim=head_dim,
+                    q_per_kv=q_per_kv, **switches)
 
 
 def verify_step(tokens_per_row: int, fresh: bool, tuning: KernelTuning | None = None) -> bool:
@@ -236,26 +247,26 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
     its lm_head, as a prefill's, XLA's."""
     t = tuning or current()
     cfg, B, T = params.config, rows, tokens_per_row
-    inv_freq, _ = rope_frequencies(cfg)
     rope_scale = {rope: rope_frequencies(cfg, rope=rope)[1] for rope in cfg.ropes}
-    fusable = fused_paths_allowed(cfg)
-    proj = decode_project_mode(params.dtype, B, t) if T == 1 and axis is None and fusable else None
+    # the channels each rope rotates: the kernel rotates whole heads only
+    rotary_dim = min(2 * len(rope_frequencies(cfg, rope=rope)[0]) for rope in cfg.ropes)
+    f = model_fusions(cfg)
+    proj = decode_project_mode(params.dtype, B, t) if T == 1 and axis is None else None
     attention = None
-    if (T == 1 or verify_step(T, fresh, t)) and not fresh and cache_length is not None \
-            and decode_attention_allowed(cfg):
-        attention = decode_attention_mode(params.dtype, cfg.head_dim, 2 * len(inv_freq), kv_int8,
-                                          cache_length, t, tokens=T, q_per_kv=cfg.q_per_kv)
-    fuse = None if axis is not None or (T == 1 and proj is None) or not fusable else \
-        add_norm_mode(params.dtype, t)
-    rows_mode = _rows_mode(params, B, T, axis, fresh, t) if fusable else None
-    route = route_mode(params.dtype, t) if axis is None and fusable else None
+    if (T == 1 or verify_step(T, fresh, t)) and not fresh and cache_length is not None:
+        attention = decode_attention_mode(params.dtype, cfg.head_dim, rotary_dim, kv_int8,
+                                          cache_length, t, tokens=T, q_per_kv=cfg.q_per_kv,
+                                          qk_norm=cfg.qk_norm, **score_switches(cfg))
+    fuse = None if axis is not None or (T == 1 and proj is None) else add_norm_mode(params.dtype, t)
+    rows_mode = _rows_mode(params, B, T, axis, fresh, t)
+    route = route_mode(params.dtype, t) if axis is None else None
     head_w = params.embed if params.lm_head is None else params.lm_head
     # What the residual stream feeds after each layer: the next layer's qkv, or the lm_head.
     nexts = [(nxt.wqkv, nxt.bqkv is not None) for nxt in params.layers[1:]] + [(head_w, False)]
-    next_takes = [proj is not None and project_folds_norm(w, proj, biased=biased, tuning=t)
+    next_takes = [proj is not None and f.fold_norms and project_folds_norm(w, proj, biased=biased, tuning=t)
                   for w, biased in nexts]
     down_at = tuple(i for i, layer in enumerate(params.layers)
-                    if fuse and proj and not cfg.is_moe(i) and not next_takes[i]
+                    if fuse and proj and f.digits and not cfg.is_moe(i) and not next_takes[i]
                     and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t)
                     and down_digits(layer.w_down, proj, t))
     layers = []
@@ -266,21 +277,24 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
         if rows_mode:  # every matrix through rows_project; o's output with the residual via add_norm
             layers.append(LayerPlan(
                 **common, projection=Projection("rows", rows_mode, t),
-                add_norm=add_norm_mode(params.dtype, t), split_out=False, ffn_kernel=True,
-                ffn_norm_folded=False, ffn_digits=False, down_digits=False, next_folds=True,
-                next_digits=False))
+                add_norm=add_norm_mode(params.dtype, t), split_out=False, ffn_kernel=f.gate_kernel,
+                ffn_norm_folded=False, ffn_digits=False, down_digits=False,
+                next_folds=f.fold_residual, next_digits=False))
             continue
         moe = cfg.is_moe(i)
         next_w, next_bias = nexts[i]
-        ffn_kernel = bool(proj) and not moe and project_supports(layer.w_gate_up, True, tuning=t)
+        ffn_kernel = (bool(proj) and not moe and f.gate_kernel
+                      and project_supports(layer.w_gate_up, True, tuning=t))
         ahead = [bool(proj) and prefetched(w, t) for w in (layer.wo, None if moe else layer.w_gate_up,
                                                             None if moe else layer.w_down, next_w)]
         layers.append(LayerPlan(
             **common, projection=Projection("project" if proj else None, proj, t), add_norm=fuse,
             split_out=proj is not None, ffn_kernel=ffn_kernel,
-            ffn_norm_folded=ffn_kernel and project_folds_norm(layer.w_gate_up, proj, swiglu=True, tuning=t),
-            ffn_digits=ffn_kernel and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t),
-            down_digits=i in down_at, next_folds=ffn_kernel and next_takes[i],
+            ffn_norm_folded=ffn_kernel and f.fold_norms and f.fold_residual
+            and project_folds_norm(layer.w_gate_up, proj, swiglu=True, tuning=t),
+            ffn_digits=ffn_kernel and f.digits
+            and project_digits(layer.w_gate_up, proj, swiglu=True, tuning=t),
+            down_digits=i in down_at, next_folds=ffn_kernel and f.fold_residual and next_takes[i],
             # a one-token prefill (fresh) keeps a plain normed row, which it reorders with x
             next_digits=proj is not None and not fresh and project_digits(next_w, proj, biased=next_bias, tuning=t),
             prefetch=tuple(ahead),

@@ -20,7 +20,7 @@ from jaxllm.model import sharding
 from jaxllm.model.cache import KVCache, init_cache
 from jaxllm.model.config import ModelConfig, rope_frequencies
 from jaxllm.model.params import Layer, Params
-from jaxllm.model.plan import LayerPlan, Projection, StepPlan, step_plan
+from jaxllm.model.plan import LayerPlan, Projection, StepPlan, score_switches, step_plan
 from jaxllm.runtime import AUTOTUNE_OPTIONS
 
 
@@ -49,14 +49,14 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH, k_cache, v_cache = kernels.verify_attention(
             qkv_BTKJH, kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            tuning=tuning)
+            tuning=tuning, **score_switches(cfg))
         return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
     if fused is not None:  # rotation, cache writes and attention in one kernel
         start_B, rotation_P2R, interpret, split_out, tuning = fused
         out_BKGH, k_cache, v_cache = kernels.decode_attention(
             qkv_BTKJH[:, 0], kv[0], kv[1], end_B, start_B, rotation_P2R, window=window,
             q_norm_H=layer.q_norm, k_norm_H=layer.k_norm, eps=cfg.rms_norm_eps, interpret=interpret,
-            split_out=split_out, tuning=tuning)
+            split_out=split_out, tuning=tuning, **score_switches(cfg))
         if isinstance(out_BKGH, kernels.SplitHeads):
             return out_BKGH, (k_cache, v_cache, None, None)
         return out_BKGH.reshape(B, T, K * G * H), (k_cache, v_cache, None, None)
@@ -140,12 +140,22 @@ def _ffn_block(cfg: ModelConfig, moe: bool, layer: Layer, h_BTD, axis=None, rout
 # (`decode_step` without one, a sharded step) makes it itself.
 def rotation_table(config: ModelConfig, length: int):
     """cos and sin of every position below `length` (float32 [length, 2, R], the attention factor
-    included), as `kernels.decode_attention` takes them: of the global rope, the one rope of every
-    model the plan gives the kernel (`plan.decode_attention_allowed`)."""
-    inv_freq, rope_scale = rope_frequencies(config)
+    included), as `kernels.decode_attention` takes them: one table for a model of one rope, a
+    tuple of one a rope (`config.ropes`' order) for Gemma 3's global and local ones; a loop
+    passes it to each `step` as it is."""
     positions_S = jnp.arange(length, dtype=jnp.int32).astype(jnp.float32)
-    angles_SR = positions_S[:, None] * jnp.asarray(inv_freq)
-    return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
+
+    def table(rope):
+        inv_freq, rope_scale = rope_frequencies(config, rope=rope)
+        angles_SR = positions_S[:, None] * jnp.asarray(inv_freq)
+        return jnp.stack([jnp.cos(angles_SR), jnp.sin(angles_SR)], axis=1) * rope_scale
+    tables = tuple(table(rope) for rope in config.ropes)
+    return tables[0] if len(tables) == 1 else tables
+
+
+def _rope_tables(config: ModelConfig, rotation) -> dict:
+    """`rotation_table`'s tables by the rope they rotate with."""
+    return dict(zip(config.ropes, rotation if isinstance(rotation, tuple) else (rotation,)))
 
 
 class StepInputs(NamedTuple):
@@ -208,7 +218,7 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
         if plan.attention:  # every position's rotation, unless the caller made the table before its loop
             if rotation is None:
                 rotation = rotation_table(cfg, cache.length)
-            fused_args = (start_B, rotation)
+            fused_args = {rope: (start_B, table) for rope, table in _rope_tables(cfg, rotation).items()}
         masks = dict.fromkeys(windows) if plan.attention else \
             {w: L.visible_mask(q_slots_BT, start_B, cache.length, w) for w in windows}
     x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
@@ -228,7 +238,8 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
               cache.v_scale and cache.v_scale[i])
         next_norm, next_w = nexts[i]
         inputs = StepInputs(
-            end_B, positions_BT, masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT, fused_args,
+            end_B, positions_BT, masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT,
+            None if fused_args is None else fused_args[cfg.rope_of(i)],
             next_norm,
             # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
             # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
@@ -257,7 +268,9 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
     into the step (a step traced each of its 32 layers, about a second of a warm-cache first call
     for the 8B shape). The projections take `plan.projection`'s kernels: one row folds norms and
     epilogues into `kernels.project`, 8-32 rows take `kernels.rows_project` (their norms XLA's,
-    o's output paired with the residual by `add_norm`), none XLA's forms.
+    o's output paired with the residual by `add_norm`), none XLA's forms. Gemma's plan folds no
+    norm into a matrix and no residual into o or down: its post-norms go with the residual adds
+    (`_add_norm`).
     """
     cfg, eps, how = plan.cfg, plan.cfg.rms_norm_eps, plan.projection
     offset = cfg.norm_offset
@@ -281,15 +294,16 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
                                weights_first=first)
         else:
             out_BTD = _attention_out(cfg, layer, heads_BTC, plan.axis)
-            if layer.post_attn_norm is not None:  # Gemma (whose plan takes this path, see plan.py)
-                out_BTD = L.rms_norm(out_BTD, layer.post_attn_norm, eps, offset)
+        # Gemma's norm of the attention's output goes with the residual add (its plan folds no
+        # residual into o)
         x_BTD, normed_BTD = (out_BTD, None) if plan.ffn_norm_folded else \
-            _add_norm(plan.add_norm, x_BTD, out_BTD, layer.mlp_norm, eps, digits=plan.ffn_digits,
-                      tuning=how.tuning)
+            _add_norm(plan.add_norm, x_BTD, out_BTD, layer.mlp_norm, eps, offset,
+                      layer.post_attn_norm, digits=plan.ffn_digits, tuning=how.tuning)
     with jax.named_scope("moe" if plan.moe else "mlp"):
         if plan.ffn_kernel:
             act_BTF = _normed_project(how, x_BTD, normed_BTD, layer.w_gate_up, layer.mlp_norm,
-                                      eps, swiglu=True, prefetch=(layer.w_down,) if down_ahead else (),
+                                      eps, offset, swiglu=True, activation=cfg.activation,
+                                      prefetch=(layer.w_down,) if down_ahead else (),
                                       weights_first=first, down_digits_of=inputs.down_bounds,
                                       wide=plan.gate_up_wide)
             out_BTD = _project(how, act_BTF, layer.w_down,
@@ -300,24 +314,26 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
             if normed_BTD is None:
                 normed_BTD = L.rms_norm(x_BTD, layer.mlp_norm, eps, offset)
             out_BTD = _ffn_block(cfg, plan.moe, layer, normed_BTD, plan.axis, plan.route, how.tuning)
-            if layer.post_mlp_norm is not None:  # Gemma
-                out_BTD = L.rms_norm(out_BTD, layer.post_mlp_norm, eps, offset)
         # next_folds: what comes next (qkv, lm_head) folds next_norm into its own kernel
         return (out_BTD, None, kv) if plan.next_folds else \
-            (*_add_norm(plan.add_norm, x_BTD, out_BTD, inputs.next_norm, eps,
-                        digits=plan.next_digits, tuning=how.tuning), kv)
+            (*_add_norm(plan.add_norm, x_BTD, out_BTD, inputs.next_norm, eps, offset,
+                        layer.post_mlp_norm, digits=plan.next_digits, tuning=how.tuning), kv)
 
 
-def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, digits: bool = False,
-              tuning=None):
+def _add_norm(mode: str | None, x_BTD, delta_BTD, norm_D, eps: float, offset: float = 0.0,
+              delta_norm_D=None, digits: bool = False, tuning=None):
     """(x + delta, its rms_norm by norm_D) through `kernels.add_norm` under `mode`; (x + delta,
     None) when there is no mode or no norm to apply, the consumer norming it itself. With
-    `digits` the normed row may come as a `kernels.DigitRow` (its x [B, T, D])."""
+    `digits` the normed row may come as a `kernels.DigitRow` (its x [B, T, D]). Gemma's: norms of
+    scale (offset + w), and delta through its norm `delta_norm_D` before the add."""
     if mode is None or norm_D is None:
+        if delta_norm_D is not None:
+            delta_BTD = L.rms_norm(delta_BTD, delta_norm_D, eps, offset)
         return x_BTD + delta_BTD, None
     B, T, D = x_BTD.shape
     sum_MD, normed = kernels.add_norm(x_BTD.reshape(B * T, D), delta_BTD.reshape(B * T, D),
-                                      norm_D, eps, mode=mode, digits=digits, tuning=tuning)
+                                      norm_D, eps, offset=offset, delta_norm_C=delta_norm_D,
+                                      mode=mode, digits=digits, tuning=tuning)
     if isinstance(normed, kernels.DigitRow):
         return sum_MD.reshape(B, T, D), normed.replace(x=normed.x.reshape(B, T, D))
     return sum_MD.reshape(B, T, D), normed.reshape(B, T, D)
@@ -354,7 +370,8 @@ def _project(how: Projection, x_BTC, w, *, residual=None, **kw):
     residual_MN = None if residual is None else residual.reshape(B * T, -1)
     if how.family == "rows":  # no prefetch, weights order, digits or wide programs there
         y_MN = kernels.rows_project(x_MC, w, residual_MN=residual_MN, mode=how.mode, tuning=how.tuning,
-                                    **{k: v for k, v in kw.items() if k in ("norm_C", "eps", "bias_N", "swiglu")})
+                                    **{k: v for k, v in kw.items()
+                                       if k in ("norm_C", "eps", "bias_N", "swiglu", "activation")})
     else:
         y_MN = kernels.project(x_MC, w, residual_MN=residual_MN, mode=how.mode, tuning=how.tuning, **kw)
     if isinstance(y_MN, kernels.DigitRow):  # gate/up's output for down, with its digits

@@ -9,6 +9,9 @@
 - `kernels.project` (batch-1 norm, matrix-vector product and epilogue in one kernel; bf16 and int8)
   and `kernels.rows_project` (decode steps of 8-32 rows) against float32 XLA, and decode through them;
 - `kernels.add_norm` against float32, and a prefill through it against XLA;
+- Gemma's switches of those kernels (score scale, soft cap, (1 + w) q/k norms in both attention
+  kernels at heads of 256; GeGLU's tanh GELU in gate/up's epilogues; add_norm's (1 + w) norms and
+  post-norm), and Gemma 2 and 3 decode and verify steps through every kernel against XLA's;
 - every MoE path against the dense path in float32; `kernels.route` against XLA's routing; the
   gathered experts' SwiGLU in one variadic reduction against a reduction and a multiply after it;
 - generate's on-device loop stopping each row at its own stop id, and its tokens unchanged by the
@@ -20,6 +23,7 @@ MoE 7.2e-3.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +53,10 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
 
 
-def _ragged_batch(name: str, seed: int):
-    """A 4-layer model of a preset's widths (random weights) and 3 prompts of 256 slots that
-    start at 0, 100 and 255: (config, params, tokens, start)."""
-    cfg = dataclasses.replace(PRESETS[name], num_layers=4)
+def _ragged_batch(name: str, seed: int, **overrides):
+    """A 4-layer model of a preset's widths (random weights; its config changed in `overrides`)
+    and 3 prompts of 256 slots that start at 0, 100 and 255: (config, params, tokens, start)."""
+    cfg = dataclasses.replace(PRESETS[name], num_layers=4, **overrides)
     tokens = jax.random.randint(jax.random.key(seed), (3, 256), 0, cfg.vocab_size)
     return cfg, random_params(cfg), tokens, jnp.asarray([0, 100, 255], jnp.int32)
 
@@ -131,16 +135,18 @@ def test_fresh_prefill_matches_cache_reading(name):
 
 # -- decode attention -----------------------------------------------------------------------------
 
-def _decode_attention_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm):
+def _decode_attention_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm,
+                                scale=None, softcap=None, norm_offset=0.0):
     B, K, J, H = qkv.shape
     G, positions = J - 2, (end - start)[:, None]
     q, k, v = qkv[:, :, :G].reshape(B, 1, K * G, H), qkv[:, None, :, G], qkv[:, None, :, G + 1]
     if q_norm is not None:
-        q, k = L.rms_norm(q, q_norm, 1e-6), L.rms_norm(k, k_norm, 1e-6)
+        q, k = L.rms_norm(q, q_norm, 1e-6, norm_offset), L.rms_norm(k, k_norm, 1e-6, norm_offset)
     q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
     k_cache, v_cache = (c.at[jnp.arange(B), :, end].set(x[:, 0]) for c, x in ((k_cache, k), (v_cache, v)))
     mask = L.visible_mask(end[:, None], start, k_cache.shape[2], window)
-    return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask)[:, 0], k_cache
+    return L.attention(q.reshape(B, 1, K, G, H), k_cache, v_cache, mask, scale=scale,
+                       softcap=softcap)[:, 0], k_cache
 
 
 @pytest.mark.parametrize("B, K, G, H, S, furthest, window, norm", [
@@ -192,19 +198,21 @@ def test_decode_via_attention_kernel_matches_xla(name):
 
 # -- verify steps (2-9 new tokens a row on a warm cache) -------------------------------------------
 
-def _verify_attention_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm):
+def _verify_attention_reference(qkv, k_cache, v_cache, end, start, inv_freq, window, q_norm, k_norm,
+                                scale=None, softcap=None, norm_offset=0.0):
     B, T, K, J, H = qkv.shape
     G = J - 2
     slots = end[:, None] + jnp.arange(T)[None, :]
     positions = jnp.maximum(slots - start[:, None], 0)
     q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if q_norm is not None:
-        q, k = L.rms_norm(q, q_norm, 1e-6), L.rms_norm(k, k_norm, 1e-6)
+        q, k = L.rms_norm(q, q_norm, 1e-6, norm_offset), L.rms_norm(k, k_norm, 1e-6, norm_offset)
     q, k = L.rope(q, positions, inv_freq), L.rope(k, positions, inv_freq)
     write = jax.vmap(lambda c, x, e: jax.lax.dynamic_update_slice(c, x.transpose(1, 0, 2), (0, e, 0)))
     k_cache, v_cache = write(k_cache, k, end), write(v_cache, v, end)
     mask = L.visible_mask(slots, start, k_cache.shape[2], window)
-    return L.attention(q.reshape(B, T, K, G, H), k_cache, v_cache, mask), k_cache
+    return L.attention(q.reshape(B, T, K, G, H), k_cache, v_cache, mask, scale=scale,
+                       softcap=softcap), k_cache
 
 
 @pytest.mark.parametrize("B, T, K, G, H, S, furthest, window, norm", [
@@ -445,6 +453,135 @@ def test_add_norm_kernel(M, C):
 def test_prefill_and_decode_via_add_norm_matches_xla(name):
     outs = _decode_both_ways(*_ragged_batch(name, seed=4), ["ADD_NORM"])
     assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2
+
+
+# -- Gemma's switches of the kernels, and Gemma's steps through them ------------------------------
+
+# gemma2-2b's heads (K 4, G 2, scores scaled by 256^-1/2 and capped, at 5 rather than 50 so that
+# the cap bites on random scores) and gemma3-1b's (K 1, G 4, (1 + w) q/k norms), both of 256,
+# under a window.
+GEMMA_ATTENTION = [(4, 2, 64, False, dict(scale=256 ** -0.5, softcap=5.0)),
+                   (1, 4, 64, True, dict(scale=256 ** -0.5, norm_offset=1.0))]
+
+
+@pytest.mark.parametrize("K, G, window, norm, switches", GEMMA_ATTENTION)
+@pytest.mark.parametrize("B, T, S, furthest", [(1, 1, 640, 600), (32, 1, 2304, 2100), (1, 5, 640, 600),
+                                               (8, 4, 8448, 8000)])
+def test_attention_kernels_with_gemmas_switches(K, G, window, norm, switches, B, T, S, furthest):
+    H = 256
+    keys = jax.random.split(jax.random.key(S + furthest + T + K), 5)
+    shape = (B, K, G + 2, H) if T == 1 else (B, T, K, G + 2, H)
+    qkv = jax.random.normal(keys[0], shape, bf16)
+    caches = [jax.random.normal(k, (B, K, S, H), bf16) for k in keys[1:3]]
+    norms = [0.1 * jax.random.normal(k, (H,), bf16) for k in keys[3:]] if norm else [None, None]
+    start = jnp.arange(B, dtype=jnp.int32) * 7 % 50
+    end = furthest - jnp.arange(B, dtype=jnp.int32) * 5 % 30
+    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, H, 2) / H), f32)
+    angles = jnp.arange(S, dtype=f32)[:, None] * inv_freq
+    up = lambda xs: [None if x is None else x.astype(f32) for x in xs]
+    reference = _decode_attention_reference if T == 1 else _verify_attention_reference
+    want, want_k = jax.jit(functools.partial(reference, **switches), static_argnums=6)(
+        *up([qkv, *caches]), end, start, inv_freq, window, *up(norms))
+    rotation = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+    assert plan.decode_attention_mode(bf16, H, H, False, S, tokens=T, q_per_kv=G) == "gpu"
+    call = kernels.decode_attention if T == 1 else kernels.verify_attention
+    got, got_k, _ = call(qkv, *caches, end, start, rotation, window=window, q_norm_H=norms[0],
+                         k_norm_H=norms[1], eps=1e-6, **switches)
+    assert rel(got, want) <= 1e-2
+    assert rel(got_k, want_k) <= 1e-2, "cache k"
+
+
+@pytest.mark.parametrize("D, F", [(1152, 6912), (2304, 9216)])  # gemma3-1b's, gemma2-2b's
+@pytest.mark.parametrize("M", [1, 32])
+def test_gate_up_kernels_with_gelu_tanh(D, F, M):
+    """GeGLU's gate/up in `project` (one row; int8 too where the float matrix is too large for its
+    kernel) and `rows_project` (32 rows), against float32 XLA."""
+    keys = jax.random.split(jax.random.key(D + M), 3)
+    w = jax.random.normal(keys[0], (2, F, D), bf16) * D ** -0.5
+    x = jax.random.normal(keys[1], (M, D), bf16)
+    weights = [w, quantize(w)] if M == 1 else [w]
+    for m in weights:
+        call = kernels.project if M == 1 else kernels.rows_project
+        got = call(x, m, swiglu=True, activation="gelu_tanh", mode="gpu")
+        ref_w = m.astype(f32) if m is w else m
+        want = kernels.project(x.astype(f32), ref_w, swiglu=True, activation="gelu_tanh")
+        assert rel(got, want) <= 2e-2
+
+
+@pytest.mark.parametrize("M, C", [(1, 1152), (32, 2304), (3, 576)])
+def test_add_norm_kernel_with_gemmas_norms(M, C):
+    keys = jax.random.split(jax.random.key(M + C), 4)
+    x, delta = (jax.random.normal(k, (M, C), bf16) for k in keys[:2])
+    g, post = (0.1 * jax.random.normal(k, (C,), bf16) for k in keys[2:])
+    got = kernels.add_norm(x, delta, g, 1e-6, offset=1.0, delta_norm_C=post, mode="gpu")
+    want = kernels.add_norm(x.astype(f32), delta.astype(f32), g.astype(f32), 1e-6, offset=1.0,
+                            delta_norm_C=post.astype(f32))
+    assert rel(got[0], want[0]) <= 1e-2, "sum"
+    assert rel(got[1], want[1]) <= 2e-2, "normed"
+
+
+GEMMA_STEPS = ["DECODE_ATTENTION", "DECODE_PROJECT", "ROWS_PROJECT", "ADD_NORM"]
+
+
+@pytest.mark.parametrize("name", ["gemma3-1b", "gemma2-2b"])
+@pytest.mark.parametrize("rows", [1, 32])
+def test_gemma_decode_via_kernels_matches_xla(name, rows):
+    """Gemma's decode steps of one row and of 32 through every kernel the plan gives them, a
+    window of 64 (so the 8 steps after 256 slots slide it), against XLA's forms."""
+    cfg, params, tokens, start = _ragged_batch(name, seed=7, sliding_window=64)
+    tokens, start = jnp.tile(tokens, (11, 1))[:rows], jnp.tile(start, 11)[:rows]
+    paths = plan.describe(plan.step_plan(params, rows, 1, cache_length=320))
+    assert paths["attention"] == paths["add_norm"] == "kernel", paths
+    assert paths["qkv"] == paths["o"] == ("project" if rows == 1 else "rows"), paths
+    outs = _decode_both_ways(cfg, params, tokens, start, GEMMA_STEPS)
+    assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2, "logits"
+    assert rel(outs["auto"][1], outs["xla"][1]) <= 3e-2, "cache k"
+
+
+@pytest.mark.parametrize("name, B, T", [("gemma3-1b", 1, 5), ("gemma2-2b", 3, 4)])
+def test_gemma_verify_step_via_kernels_matches_xla(name, B, T):
+    """A Gemma verify step through verify_attention (and, at 12 rows, rows_project, taken by
+    matrices of any size here, and add_norm) against XLA's prefill forms: every position's logits,
+    the cache it wrote."""
+    cfg, params, tokens, start = _ragged_batch(name, seed=8, sliding_window=64)
+    tokens, start = jnp.tile(tokens, (2, 1))[:B], jnp.tile(start, 2)[:B]
+    step = jax.jit(model.step, static_argnames=("fresh", "all_logits"))
+
+    def run():
+        cache = init_cache(cfg, B, 320, params.dtype, start)
+        _, cache = step(params, tokens, cache, fresh=True)
+        cache = rollback(cache, jnp.arange(B) % 3)
+        logits, cache = step(params, tokens[:, 40:40 + T], cache, all_logits=True)
+        return logits, cache.k[3][:, :, 250:264]
+
+    def planned():
+        p = plan.step_plan(params, B, T, cache_length=320)
+        assert p.attention == "gpu" and p.layers[0].projection.family == ("rows" if B > 1 else None)
+        return run()
+
+    got = _with_switches({"VERIFY_ROWS_MIN": 8, "ROWS_LARGE_WEIGHTS": 0}, planned)
+    want = _with_switches({"VERIFY_TOKENS": 0}, run)
+    assert rel(got[0], want[0]) <= 3e-2, "logits"
+    assert rel(got[1], want[1]) <= 3e-2, "cache k"
+
+
+def test_gemma3_rotation_tables_made_once_match_each_steps():
+    """gemma3-1b's two ropes: the tables a loop makes once (a tuple, one a rope) against each
+    step's own, through every kernel: the same logits, bit for bit."""
+    cfg, params, tokens, start = _ragged_batch("gemma3-1b", seed=9, sliding_window=64)
+    step = jax.jit(model.step, static_argnames="fresh")
+    tables = model.rotation_table(cfg, 320)
+    assert isinstance(tables, tuple) and len(tables) == 2
+    runs = []
+    for rotation in (None, tables):
+        cache = init_cache(cfg, tokens.shape[0], 320, params.dtype, start)
+        logits, cache = step(params, tokens, cache, fresh=True)
+        steps = []
+        for t in range(4):
+            logits, cache = step(params, tokens[:, t:t + 1], cache, rotation=rotation)
+            steps.append(logits)
+        runs.append(jnp.stack(steps, 1))
+    assert rel(runs[1], runs[0]) <= 0
 
 
 # -- MoE ------------------------------------------------------------------------------------------
