@@ -367,7 +367,8 @@ class BatchingEngine:
         `num_speculative` drafts a row a step (default 7), in the decode buckets of at most
         `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets decode plainly. Greedy
         rows get plain greedy's tokens; sampled rows the same law, the same tokens for a seed while
-        the row's steps speculate (see docs/decisions/serving.md#speculation)."""
+        the row's steps speculate
+        (docs/decisions/serving.md#speculation-prompt-lookup-in-the-decode-step)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
@@ -415,9 +416,8 @@ class BatchingEngine:
         self._compilations = 0
         # busy_s: the loop's time in iterations (waits on the device included, idle waits not), cpu_s
         # its thread's processor time; wait_s: its waits on the device's results; device_s: the
-        # timed iterations' calls alone
-        # spec_steps: verify steps in which some row had a draft; spec_proposed and spec_accepted: drafts checked and kept,
-        # of the rows still running when read
+        # timed iterations' calls alone; spec_steps: verify steps in which some row had a draft;
+        # spec_proposed and spec_accepted: drafts checked and kept, of the rows running when read
         self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0,
                               occupied_rows=0, computed_rows=0, busy_s=0.0, cpu_s=0.0, wait_s=0.0, device_s=0.0,
                               device_iterations=0, spec_steps=0, spec_proposed=0, spec_accepted=0)
