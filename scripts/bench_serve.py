@@ -105,6 +105,9 @@ def parse_args(argv):
                    help="time one engine iteration in K alone on the device (0: never; default: 16)")
     p.add_argument("--fake-device", type=float, default=None, metavar="MS",
                    help="programs that compute nothing, ready MS ms after the previous call's (host side alone)")
+    p.add_argument("--speculate", choices=("ngram",), default=None,
+                   help="the engine speculates by prompt lookup (decode buckets up to JAXLLM_SPEC_MAX_BATCH rows)")
+    p.add_argument("--num-speculative", type=int, default=None, metavar="K", help="drafts a row a step (default: 7)")
     args = p.parse_args(argv)
     modes = args.mode.split(",")
     if not modes or any(m not in ("engine", "http", "static") for m in modes):
@@ -114,6 +117,10 @@ def parse_args(argv):
         p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
     if args.time_device_every < 0 or args.fake_device is not None and not args.fake_device >= 0:
         p.error("--time-device-every and --fake-device must be >= 0")
+    if args.speculate and args.fake_device is not None:
+        p.error("--speculate needs the real device programs, not --fake-device")
+    if args.num_speculative is not None and not args.speculate:
+        p.error("--num-speculative needs --speculate ngram")
     if args.fake_device is not None and "static" in args.modes:
         p.error("--fake-device fakes the engine's programs: --mode engine, http or both")
     return args
@@ -180,7 +187,9 @@ def engine_fields(before: dict, after: dict, process_cpu_s: float, fake_ms: floa
                 device_wait_ms_per_step=round(d["wait_s"] / steps * 1e3, 4),
                 device_timed_steps=d["device_iterations"],
                 engine_cpu_ms_per_step=round(d["cpu_s"] / steps * 1e3, 4),
-                process_cpu_ms_per_step=round(process_cpu_s / steps * 1e3, 4))
+                process_cpu_ms_per_step=round(process_cpu_s / steps * 1e3, 4),
+                # speculation: verify steps run, drafts checked and kept
+                **{k: after[k] - before[k] for k in ("spec_steps", "spec_proposed", "spec_accepted") if k in after})
 
 
 class _Late:
@@ -470,12 +479,15 @@ def main(argv=None) -> int:
                  dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
                  prefill_chunk=args.prefill_chunk, requests=args.requests,
                  rate=None if math.isinf(args.rate) else args.rate, input_len=list(args.input_len),
-                 output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device)
+                 output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
+                 speculate=args.speculate, num_speculative=args.num_speculative)
     engine = None
     if {"engine", "http"} & set(args.modes):
         kind = BatchingEngine if args.fake_device is None else fake_device_engine(args.fake_device)
         engine = kind(params, max_slots=args.max_slots, max_context=args.max_context, max_queued=args.requests,
-                      prefill_chunk=args.prefill_chunk, time_device_every=args.time_device_every)
+                      prefill_chunk=args.prefill_chunk, time_device_every=args.time_device_every,
+                      **(dict(speculative=args.speculate, num_speculative=args.num_speculative)
+                         if args.speculate else {}))
         started = time.perf_counter()
         engine.start()
         label["warmup_s"] = round(time.perf_counter() - started, 2)

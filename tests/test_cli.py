@@ -116,6 +116,8 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     (["serve", "--max-queued", "0"], "argument --max-queued: must be >= 1, got 0"),
     (["serve", "--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a number of seconds >= 0"),
     (["serve", "--prefill-chunk", "100"], "--prefill-chunk must be a power of two >= 16 or a multiple of 1024"),
+    (["serve", "--num-speculative", "3"], "--num-speculative needs --speculate ngram"),
+    (["serve", "--speculate", "ngram", "--num-speculative", "0"], "argument --num-speculative: must be in [1, 32], got 0"),
     (["serve", "--model", "/nonexistent/model"], "no model at /nonexistent/model"),
 ])
 def test_bad_numbers_exit_2_with_the_reason(argv, message, capsys):

@@ -534,3 +534,37 @@ def test_seeded_sampling_equals_generate(client, params, tok):
     out = jaxllm.generate(params, [ids], max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=5,
                           eos_token_ids=[])
     assert r.choices[0].text == tok.decode([int(t) for t in np.asarray(out.tokens[0])], True)
+
+
+def test_a_speculative_engine_streams_greedys_answer(params, tok):
+    """`--speculate ngram`: a step's accepted tokens reach the stream as one event's text, which is
+    greedy's answer, with exact usage and a stop id inside an accepted run ending the choice. The
+    model without its attention's output retells its own trajectory, which the prompt holds."""
+    from jaxllm.engine.batching import BatchingEngine
+    from jaxllm.engine.speculative import NGram
+    from jaxllm.server.app import create_app
+
+    cycling = params.replace(layers=[layer.replace(wo=layer.wo * 0) for layer in params.layers])
+    y = 1000
+    told = _greedy(cycling, [y], 10)
+    prompt = [y] + told + [y]  # its answer begins with told again, which lookup drafts
+    engine = BatchingEngine(cycling, max_slots=MAX_SLOTS, max_context=32, max_queued=MAX_QUEUED,
+                            speculative=NGram(min_n=1), num_speculative=3)
+    server = LiveServer(create_app(engine, tok, MODEL))
+    try:
+        server.wait_ready()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=30)
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        expected = _greedy(cycling, prompt, 16)
+        assert expected[:10] == told
+        assert "".join(ch.choices[0].text for ch in chunks[:-1]) == tok.decode(expected, True)
+        assert chunks[-1].usage.completion_tokens == 16
+        assert [ch.choices[0].finish_reason for ch in chunks[:-1] if ch.choices[0].finish_reason] == ["length"]
+        assert len(chunks) - 1 < 16  # some chunks carried several tokens
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                 extra_body={"ignore_eos": True, "stop_token_ids": [told[3]]})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == told.index(told[3]) + 1
+        assert server.metrics()["jaxllm:spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        server.stop()

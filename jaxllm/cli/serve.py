@@ -46,6 +46,12 @@ def add_serve(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: the checkpoint's file or directory name)")
+    p.add_argument("--speculate", choices=("ngram",), default=None,
+                   help="speculative decoding by prompt lookup (drafts from the request's own prompt and "
+                        "answer, checked in one step): the same tokens when greedy, the same law when "
+                        "sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH (8) rows")
+    p.add_argument("--num-speculative", type=argtype(1, 32), default=None, metavar="K",
+                   help="drafts a row a step with --speculate (default: 7)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM, seconds in-flight requests may take before they are aborted "
                         "(default: 30)")
@@ -67,6 +73,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.prefill_chunk < 16 or bucket(args.prefill_chunk) != args.prefill_chunk:
         raise UsageError(f"--prefill-chunk must be a power of two >= 16 or a multiple of 1024, "
                          f"got {args.prefill_chunk}")
+    if args.num_speculative is not None and not args.speculate:
+        raise UsageError("--num-speculative needs --speculate ngram")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
     # A GPU's decode step costs about the same for 1 or 64 rows (it reads the weights once); a CPU's
@@ -83,7 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # the model's stop ids join these when it is loaded (cli.stop_ids)
     engine = BatchingEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_slots=max_slots,
                             max_context=args.max_context, max_queued=args.max_queued,
-                            prefill_chunk=args.prefill_chunk)
+                            prefill_chunk=args.prefill_chunk, speculative=args.speculate,
+                            num_speculative=args.num_speculative)
     failure: list[str] = []
 
     def on_fatal(message: str) -> None:

@@ -21,7 +21,11 @@ of S slots each (S = max_context plus the left padding a prompt bucket adds), on
 - the engine thread owns the device state and blocks on its condition when idle. It dispatches
   step n + 1 before it reads step n's tokens (one device_get), so the host's work for step n (stop
   ids, events, the server's detokenizing) overlaps the device's step n + 1; a row that finished
-  at step n is computed once more and ignored.
+  at step n is computed once more and ignored;
+- with `speculative="ngram"`, a decode bucket of at most `SpecTuning.max_batch` rows runs a
+  prompt-lookup round instead (`_speculate`): each row's tokens live on the device beside its
+  cache, so the drafts are found inside the step; a row keeps 1 to k + 1 tokens a step, which its
+  request gets in one event.
 
 Every program it runs is compiled in `start()`, before `ready`; `stats()["compilations"]` counts
 the XLA compilations made on its threads (tests assert none come after ready).
@@ -43,13 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxllm.engine import speculative
 from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request,
                                TokenLogprob)
 from jaxllm.engine.generate import MIN_BUCKET, bucket
 from jaxllm.engine.sampling import choose, record, seen_from_prompt
 from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
-from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release
+from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release, rollback
 from jaxllm.model.transformer import rotation_table, step
 
 # Decode buckets below max_slots: 1 (a lone stream: the one-row kernels), 8 and 32 (the rows
@@ -76,11 +81,15 @@ def _count_compilation(event: str, duration: float, **_) -> None:
 
 @struct.dataclass
 class Rows:
-    """The engine's device state that each call donates: the cache and the penalties' history."""
+    """The engine's device state that each call donates: the cache, the penalties' history and,
+    when it speculates, each row's tokens."""
 
     cache: KVCache  # [B] rows of S slots
     seen: jax.Array  # bool [B, V]: ids in the row's prompt and output (repetition penalty)
     counts: jax.Array  # int32 [B, V]: the row's output ids (presence and frequency penalties)
+    # int32 [B, S] (prompt lookup only, else None): the row's token at each cache slot, its
+    # pending token (emitted, not yet in the cache) at slot end, as speculative.NGram reads them
+    seq: jax.Array | None = None
 
 
 @struct.dataclass
@@ -128,7 +137,10 @@ def _prefill_insert(params, rows: Rows, nxt: Next, tokens_bW, start_b, at_b, sam
     cache = cache.replace(k=many(cache.k, fresh.k), v=many(cache.v, fresh.v),
                           k_scale=many(cache.k_scale, fresh.k_scale), v_scale=many(cache.v_scale, fresh.v_scale),
                           start=_put_rows(cache.start, at_b, fresh.start), end=_put_rows(cache.end, at_b, fresh.end))
-    rows = Rows(cache, _put_rows(rows.seen, at_b, seen_bV), _put_rows(rows.counts, at_b, counts_bV))
+    seq = rows.seq
+    if seq is not None:  # the padded prompt at slots [0, W), its first token pending at W
+        seq = seq.at[at_b, :W].set(tokens_bW, mode="drop").at[at_b, W].set(first_b, mode="drop")
+    rows = Rows(cache, _put_rows(rows.seen, at_b, seen_bV), _put_rows(rows.counts, at_b, counts_bV), seq)
     nxt = Next(_put_rows(nxt.tokens, at_b, first_b), _put_rows(nxt.index, at_b, jnp.ones((b,), jnp.int32)),
                jax.tree.map(lambda x, y: _put_rows(x, at_b, y), nxt.sampling, sampling_b))
     return rows, nxt, first_b, logprobs
@@ -144,8 +156,14 @@ def _chunk(params, stage: Rows, tokens_1C, start_1, *, first: bool):
         seen = seen_from_prompt(tokens_1C, start_1, cfg.vocab_size)
     else:
         seen = stage.seen | seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size)
+    seq = _put_chunk(stage.seq, tokens_1C, cache.end[0])
     _, cache = step(params, tokens_1C, cache, fresh=first)
-    return stage.replace(cache=cache, seen=seen)
+    return stage.replace(cache=cache, seen=seen, seq=seq)
+
+
+def _put_chunk(seq_1S, tokens_1C, at):
+    """The staged row's tokens with a chunk's at slot `at` (None: the engine does not speculate)."""
+    return None if seq_1S is None else jax.lax.dynamic_update_slice(seq_1S, tokens_1C, (0, at))
 
 
 def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sampling_1: SamplingParams):
@@ -160,8 +178,12 @@ def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sam
     logprobs = _logprobs(logits_1V, first_1)
     seen_1V, counts_1V = record(history, first_1, jnp.ones((1,), bool))
     at_1 = jnp.reshape(at, (1,))
+    seq = rows.seq
+    if seq is not None:  # the staged row's tokens, the last chunk's, and the first token pending
+        seq_1S = _put_chunk(stage.seq, tokens_1C, stage.cache.end[0]).at[0, staged.end[0]].set(first_1[0], mode="drop")
+        seq = jax.lax.dynamic_update_slice(seq, seq_1S, (jnp.asarray(at, jnp.int32), jnp.int32(0)))
     rows = Rows(insert(rows.cache, staged, at), _put_rows(rows.seen, at_1, seen_1V),
-                _put_rows(rows.counts, at_1, counts_1V))
+                _put_rows(rows.counts, at_1, counts_1V), seq)
     nxt = Next(_put_rows(nxt.tokens, at_1, first_1), _put_rows(nxt.index, at_1, jnp.ones((1,), jnp.int32)),
                jax.tree.map(lambda x, y: _put_rows(x, at_1, y), nxt.sampling, sampling_1))
     return rows, nxt, first_1, logprobs
@@ -182,9 +204,67 @@ def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samplin
     token_n = choose(logits_nV, history, jax.tree.map(first, nxt.sampling), first(nxt.index), flags)
     if not flags.greedy:  # the greedy program runs only while no running row reads a history
         history = record(history, token_n, active_n)
-    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]))
+    seq = rows.seq
+    if seq is not None:  # the new token pending at the row's new end
+        seq = seq.at[jnp.arange(n), cache.end[:n]].set(token_n, mode="drop")
+    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq)
     nxt = Next(put(nxt.tokens, token_n), put(nxt.index, first(nxt.index) + 1), nxt.sampling)
     return rows, nxt, token_n, _logprobs(logits_nV, token_n) if logprobs else None
+
+
+def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: SamplingFlags, logprobs: bool,
+               k: int, proposer: speculative.NGram):
+    """A prompt-lookup round for each of the cache's first n rows (a decode bucket, as `_decode`):
+    up to k drafts from the row's own tokens, one target step over its pending token and them
+    (k + 1 positions), the longest run the target accepts and its own next token kept, the
+    rejected slots rolled back. A row without a draft keeps one token, as a plain step would.
+    Returns (rows, next, tokens [n, k + 1] of which a row's first counts_n are new, (counts_n,
+    drafts_n checked), logprobs [n, k + 1] or None).
+
+    No `lax.cond` to a plain step when no row has a draft: XLA's conditional copied every layer's
+    cache around it (CPU HLO), which a server's cache cannot afford."""
+    B, n, J = rows.cache.batch, active_n.shape[0], k + 1
+    first = (lambda x: x) if n == B else (lambda x: x[:n])
+    put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
+    cache = rows.cache
+    free = release(cache.replace(start=first(cache.start), end=first(cache.end)), ~active_n)
+    cache = cache.replace(start=put(cache.start, free.start), end=put(cache.end, free.end))
+    token_n, index_n, sampling = first(nxt.tokens), first(nxt.index), jax.tree.map(first, nxt.sampling)
+    history = (first(rows.seen), first(rows.counts))
+    end_n = free.end  # the pending token's slot
+    d_nK, valid_nK = proposer.drafts(first(rows.seq), free.start, end_n, token_n, k)
+    valid_nK = valid_nK & active_n[:, None]
+    raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), cache,
+                          rotation=rotation, all_logits=True)
+    logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
+    # A row's key by its token index, as a plain step's: its tokens do not depend on the batch
+    keys_n = None if flags.greedy else speculative.round_keys(sampling.seed, index_n)
+    accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, None, sampling, flags, keys_n)
+    if not flags.greedy:  # a row without a draft draws as a plain step would, with its key
+        x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
+    j_J = jnp.arange(J, dtype=jnp.int32)
+    emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
+                        x_n[:, None])
+    kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
+    cache = rollback(cache, speculative.rejected(J, kept_n))
+    keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
+    if not flags.greedy:
+        for j in range(J):
+            history = record(history, emit_nJ[:, j], keep_nJ[:, j])
+    # d_1..d_n, x at the slots after the pending token's (S: past the row, dropped)
+    cols_nJ = jnp.where(keep_nJ, end_n[:, None] + 1 + j_J[None], rows.seq.shape[1])
+    seq = rows.seq.at[jnp.arange(n)[:, None], cols_nJ].set(emit_nJ, mode="drop")
+    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq)
+    nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling)
+    lp = _logprobs_J(raw_nJV, emit_nJ) if logprobs else None
+    return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid_nK, axis=1, dtype=jnp.int32)), lp
+
+
+def _logprobs_J(logits_nJV, token_nJ):
+    """`_logprobs` of each of J positions a row, as [n, J] (and [n, J, top]) arrays."""
+    n, J, V = logits_nJV.shape
+    chosen, top, ids = _logprobs(logits_nJV.reshape(n * J, V), token_nJ.reshape(n * J))
+    return chosen.reshape(n, J), top.reshape(n, J, -1), ids.reshape(n, J, -1)
 
 
 def _donated(*argnums) -> tuple[int, ...]:
@@ -207,11 +287,23 @@ def _programs() -> dict:
                for first in (True, False)},
             "chunk_insert": jax.jit(_chunk_insert, donate_argnums=_donated(1)),
             "decode": jax.jit(_decode, donate_argnums=_donated(1), static_argnames=("flags", "logprobs")),
+            "speculate": jax.jit(_speculate, donate_argnums=_donated(1),
+                                 static_argnames=("flags", "logprobs", "k", "proposer")),
         }
     return _jitted[backend]
 
 
 # --- the host side ---------------------------------------------------------------------------------
+
+
+def speculative_spec(speculative_, num_speculative) -> speculative.Spec:
+    """The engine's checked `speculative` and `num_speculative`: prompt lookup only, k fixed."""
+    ngram = isinstance(speculative_, speculative.NGram)
+    if not (ngram or isinstance(speculative_, str) and speculative_ == "ngram"):
+        raise ValueError(f"the serving engine speculates by prompt lookup only: speculative='ngram', "
+                         f"got {speculative_!r}")
+    spec, _ = speculative.resolve(None, "ngram", num_speculative)
+    return spec._replace(proposer=speculative_) if ngram else spec
 
 
 @dataclass(eq=False)
@@ -234,8 +326,9 @@ class _Pending:
     as they were when it was dispatched (None: a free or padding row)."""
 
     owners: list
-    tokens: jax.Array
+    tokens: jax.Array  # [b], or [b, k + 1] from a speculative step
     logprobs: tuple | None
+    counts: tuple | None = None  # a speculative step's (new tokens [b], drafts checked [b])
 
 
 def _sampling_values(requests: list[Request | None]) -> SamplingParams:
@@ -254,7 +347,8 @@ class BatchingEngine:
     def __init__(self, params, *, max_slots: int = 8, max_context: int | None = None, max_queued: int = 64,
                  prefill_chunk: int = 512, prefill_batches: tuple[int, ...] = (1, 4, 16),
                  decode_rows: tuple[int, ...] = DECODE_ROWS, eos_token_ids=(), kv_dtype=None,
-                 load: Callable[[], object] | None = None, time_device_every: int = 0):
+                 load: Callable[[], object] | None = None, time_device_every: int = 0,
+                 speculative: str | speculative.NGram | None = None, num_speculative: int | None = None):
         """`params` may be None with `load` given: `start()` calls `load()` for them (a server
         answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
         `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
@@ -267,7 +361,14 @@ class BatchingEngine:
         at `eos_token_ids` and the model's own EOS ids unless it says `ignore_eos`. With
         `time_device_every` k > 0, one iteration in k runs its calls alone on an idle device and
         times them from the first call's launch (stats' device_s and device_iterations: what the
-        device takes a step, to set against the loop's busy_s)."""
+        device takes a step, to set against the loop's busy_s).
+
+        `speculative="ngram"` (or a `speculative.NGram`) speculates by prompt lookup, k =
+        `num_speculative` drafts a row a step (default 7), in the decode buckets of at most
+        `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets decode plainly. Greedy
+        rows get plain greedy's tokens; sampled rows the same law, the same tokens for a seed while
+        the row's steps speculate
+        (docs/decisions/serving.md#speculation-prompt-lookup-in-the-decode-step)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
@@ -282,12 +383,20 @@ class BatchingEngine:
             raise ValueError(f"max_context must be a whole number >= 2, got {max_context!r}")
         if params is None and load is None:
             raise ValueError("BatchingEngine needs params, or load to make them")
+        self._spec = None
+        if speculative is not None:
+            self._spec = speculative_spec(speculative, num_speculative)
+        elif num_speculative is not None:
+            raise ValueError("num_speculative needs speculative='ngram'")
         self._params, self._load = params, load
         self._eos = tuple(eos_token_ids)
         self.max_slots, self.max_context, self.max_queued = max_slots, max_context, max_queued
         self.prefill_chunk = prefill_chunk
         self._batches = tuple(sorted(set(b for b in prefill_batches if b <= max_slots) | {1}))
         self._decode_rows = tuple(sorted(set(n for n in decode_rows if n < max_slots) | {max_slots}))
+        # The decode buckets that speculate (sharded params: none below max_slots, see _init_state)
+        self._spec_rows = () if self._spec is None else tuple(
+            n for n in self._decode_rows if n <= self._spec.tuning.max_batch)
         self._kv_dtype = kv_dtype
         self.time_device_every = time_device_every
         self.on_failure: Callable[[str], None] | None = None
@@ -307,10 +416,11 @@ class BatchingEngine:
         self._compilations = 0
         # busy_s: the loop's time in iterations (waits on the device included, idle waits not), cpu_s
         # its thread's processor time; wait_s: its waits on the device's results; device_s: the
-        # timed iterations' calls alone
+        # timed iterations' calls alone; spec_steps: verify steps in which some row had a draft;
+        # spec_proposed and spec_accepted: drafts checked and kept, of the rows running when read
         self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0,
                               occupied_rows=0, computed_rows=0, busy_s=0.0, cpu_s=0.0, wait_s=0.0, device_s=0.0,
-                              device_iterations=0)
+                              device_iterations=0, spec_steps=0, spec_proposed=0, spec_accepted=0)
         global _listening
         if not _listening:
             jax.monitoring.register_event_duration_secs_listener(_count_compilation)
@@ -333,7 +443,10 @@ class BatchingEngine:
             # Left padding to a bucket (at most the chunk, and less than the prompt) sits before a row's
             # prompt; one more slot for the step that runs after a row's last token; a multiple of
             # 128 as the decode attention kernel's blocks want (kernels.decode_attention_mode).
+            # Speculating, 2k more: the step read last may have made k tokens past max_tokens (the
+            # device knows no limit), and the step after it writes k + 1 slots.
             length = self.max_context + min(self.prefill_chunk, self.max_context) + 1
+            length += 2 * self._spec.k if self._spec else 0
             self._length = -(-length // 128) * 128
             self._stops = frozenset(self._eos) | frozenset(cfg.eos_token_ids)
             try:  # before the cache is allocated: an out-of-memory error would name no setting
@@ -413,20 +526,23 @@ class BatchingEngine:
     def _init_state(self) -> None:
         p, B = self._params, self.max_slots
         V = p.config.vocab_size
+        seq = (lambda b: jnp.zeros((b, self._length), jnp.int32)) if self._spec else (lambda b: None)
         self._rows = Rows(init_cache(p.config, B, self._length, p.dtype, kv_dtype=self._kv_dtype),
-                          jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32))
+                          jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32), seq(B))
         self._next = jax.device_put(Next(np.zeros((B,), np.int32), np.zeros((B,), np.int32),
                                          _sampling_values([None] * B)))
         self._stage = Rows(init_cache(p.config, 1, self._length, p.dtype, kv_dtype=self._kv_dtype),
-                           jnp.zeros((1, V), bool), jnp.zeros((1, 0), jnp.int32))
+                           jnp.zeros((1, V), bool), jnp.zeros((1, 0), jnp.int32), seq(1))
         self._rotation = rotation_table(p.config, self._length) if p.tp is None else None
         if p.tp is not None:  # a sharded step computes every row
             self._decode_rows = (B,)
+            self._spec_rows = tuple(n for n in self._spec_rows if n == B)
         programs = _programs()
         self._prefill_fn = programs["prefill_int8" if is_int8(self._kv_dtype) else "prefill"]
         self._chunk_fns = {first: programs[f"chunk_{first}"] for first in (True, False)}
         self._chunk_insert_fn = programs["chunk_insert"]
         self._decode_fn = programs["decode"]
+        self._speculate_fn = programs["speculate"]
 
     def _widths(self) -> list[int]:
         widths, w = [], MIN_BUCKET
@@ -441,7 +557,8 @@ class BatchingEngine:
 
     def _warm_up(self) -> None:
         """Run every program once on padding rows (dropped) and free rows: prefill for each width
-        and batch size, the chunk programs, the four decode programs of each decode bucket."""
+        and batch size, the chunk programs, the four decode programs of each decode bucket (and
+        the four speculative ones of each bucket that speculates)."""
         B = self.max_slots
         pad = self._params.config.pad_id
         for width in self._widths():
@@ -462,6 +579,10 @@ class BatchingEngine:
                     self._rows, self._next, *_ = self._decode_fn(
                         self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
                         flags=flags, logprobs=logprobs)
+                    if n in self._spec_rows:
+                        self._rows, self._next, *_ = self._speculate_fn(
+                            self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
+                            flags=flags, logprobs=logprobs, k=self._spec.k, proposer=self._spec.proposer)
         jax.block_until_ready(self._rows)
 
     # --- the engine thread --------------------------------------------------------------------
@@ -573,9 +694,16 @@ class BatchingEngine:
             flags = EVERY if any(r.temperature > 0 or r.repetition_penalty != 1 or r.presence_penalty != 0
                                  or r.frequency_penalty != 0 for r in requests) else GREEDY
             logprobs = any(r.logprobs is not None for r in requests)
-            self._rows, self._next, tokens, lp = self._decode_fn(
-                self._params, self._rows, self._next, active, self._rotation, flags=flags, logprobs=logprobs)
-            self._pending.append(_Pending([o if a else None for o, a in zip(self._owner, active)], tokens, lp))
+            owners = [o if a else None for o, a in zip(self._owner, active)]
+            if n in self._spec_rows:
+                self._rows, self._next, tokens, counts, lp = self._speculate_fn(
+                    self._params, self._rows, self._next, active, self._rotation, flags=flags, logprobs=logprobs,
+                    k=self._spec.k, proposer=self._spec.proposer)
+                self._pending.append(_Pending(owners, tokens, lp, counts))
+            else:
+                self._rows, self._next, tokens, lp = self._decode_fn(
+                    self._params, self._rows, self._next, active, self._rotation, flags=flags, logprobs=logprobs)
+                self._pending.append(_Pending(owners, tokens, lp))
             self._counters["decode_steps"] += 1
             self._counters["occupied_rows"] += int(active.sum())
             self._counters["computed_rows"] += n
@@ -626,8 +754,10 @@ class BatchingEngine:
     def _deliver(self, pending: _Pending) -> None:
         """Read one call's tokens (one device_get) and give each row's request its event."""
         waited = time.perf_counter()
-        tokens, lp = jax.device_get((pending.tokens, pending.logprobs))
+        tokens, lp, counts = jax.device_get((pending.tokens, pending.logprobs, pending.counts))
         self._counters["wait_s"] += time.perf_counter() - waited
+        if counts is not None:
+            return self._deliver_runs(pending.owners, tokens.tolist(), lp, *(c.tolist() for c in counts))
         tokens, delivered = tokens.tolist(), 0  # Python ints at once, not one numpy scalar a row
         with self._cond:
             for j, item in enumerate(pending.owners):
@@ -649,6 +779,41 @@ class BatchingEngine:
                 else:
                     item.on_event(Event([token], logprobs))
             self._counters["tokens"] += delivered
+
+    def _deliver_runs(self, owners, tokens, lp, kept, drafted) -> None:
+        """A speculative step's events: each row's kept tokens in one, up to a stop token or
+        max_tokens (the row ends there; what the device made past it is never shown)."""
+        delivered = proposed = accepted = 0
+        with self._cond:
+            for j, item in enumerate(owners):
+                if item is None or item.done:
+                    continue
+                proposed += drafted[j]
+                accepted += kept[j] - 1
+                run, finish = tokens[j][:kept[j]], None
+                for i, token in enumerate(run):
+                    item.made += 1
+                    finish = "stop" if token in item.stops else \
+                        "length" if item.made == item.request.max_tokens else None
+                    if finish:
+                        run = run[:i + 1]
+                        break
+                logprobs = None
+                if item.request.logprobs is not None:
+                    k = item.request.logprobs
+                    chosen, top, ids = (x[j] for x in lp)
+                    logprobs = [TokenLogprob(token, float(chosen[i]), tuple(
+                        (int(t), float(p)) for t, p in zip(ids[i][:k], top[i][:k]))) for i, token in enumerate(run)]
+                delivered += len(run)
+                if finish:
+                    self._end(item, Event(run, logprobs, finish))
+                else:
+                    item.on_event(Event(run, logprobs))
+            c = self._counters
+            c["tokens"] += delivered
+            c["spec_steps"] += any(drafted)
+            c["spec_proposed"] += proposed
+            c["spec_accepted"] += accepted
 
     def _fail(self, error: str) -> None:
         with self._cond:

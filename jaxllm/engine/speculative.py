@@ -188,24 +188,34 @@ class NGram(Proposer):
         return start_B
 
     def ready(self, aux, start_B, ctx):
-        # A match of min_n tokens exists (a longer one implies it): one reduction over [B, S]
-        seq_BS, last_B = ctx.seq_BS, ctx.end_B
+        return self.matches(ctx.seq_BS, start_B, ctx.end_B, ctx.token_B)
+
+    def propose(self, aux, start_B, ctx, k):
+        d_BK, valid_BK = self.drafts(ctx.seq_BS, start_B, ctx.end_B, ctx.token_B, k)
+        return Proposal(d_BK, valid_BK, None), start_B
+
+    # On arrays alone, so that the serving engine runs them on its rows: seq_BS holds each row's
+    # tokens from start_B, the last one, token_B, at column last_B.
+
+    def matches(self, seq_BS, start_B, last_B, token_B):
+        """bool [B]: a match of min_n tokens exists (a longer one implies it): one reduction over
+        [B, S]."""
         rows = jnp.arange(seq_BS.shape[0])
         match_BS = None
         for n in range(1, self.min_n + 1):
-            tail_B = ctx.token_B if n == 1 else seq_BS[rows, jnp.maximum(last_B - n + 1, 0)]
+            tail_B = token_B if n == 1 else seq_BS[rows, jnp.maximum(last_B - n + 1, 0)]
             match_BS, ok_BS = _ngram_ok(seq_BS, start_B, last_B, tail_B, n, match_BS)
         return jnp.any(ok_BS, axis=1)
 
-    def propose(self, aux, start_B, ctx, k):
-        seq_BS, last_B = ctx.seq_BS, ctx.end_B
+    def drafts(self, seq_BS, start_B, last_B, token_B, k: int):
+        """(drafts [B, k], valid [B, k]): the k tokens after the latest match of the longest n."""
         B, S = seq_BS.shape
         i_S = jnp.arange(S, dtype=jnp.int32)
         rows = jnp.arange(B)
         best_B = jnp.full((B,), -1, jnp.int32)
         match_BS = None
         for n in range(1, self.max_n + 1):
-            tail_B = ctx.token_B if n == 1 else seq_BS[rows, jnp.maximum(last_B - n + 1, 0)]
+            tail_B = token_B if n == 1 else seq_BS[rows, jnp.maximum(last_B - n + 1, 0)]
             match_BS, ok_BS = _ngram_ok(seq_BS, start_B, last_B, tail_B, n, match_BS)
             if n >= self.min_n:
                 at_B = jnp.max(jnp.where(ok_BS, i_S[None], -1), axis=1)  # the latest match
@@ -214,7 +224,7 @@ class NGram(Proposer):
         at_BK = best_B[:, None] + j_K[None]
         valid_BK = (best_B[:, None] >= 0) & (at_BK <= last_B[:, None])
         d_BK = jnp.take_along_axis(seq_BS, jnp.clip(at_BK, 0, S - 1), axis=1)
-        return Proposal(jnp.where(valid_BK, d_BK, 0), valid_BK, None), start_B
+        return jnp.where(valid_BK, d_BK, 0), valid_BK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +386,7 @@ class Carry(NamedTuple):
     stats: dict
 
 
-def _target_choices(logits_BJV, history, d_BK, sampling, flags):
+def target_choices(logits_BJV, history, d_BK, sampling, flags):
     """Each verify position's logits after the penalties of its own prefix (d_1..d_j added)."""
     out = []
     for j in range(logits_BJV.shape[1]):
@@ -384,6 +394,23 @@ def _target_choices(logits_BJV, history, d_BK, sampling, flags):
         if j < d_BK.shape[1] and (flags.repetition_penalty or flags.penalties):
             history = record(history, d_BK[:, j], jnp.ones(d_BK.shape[:1], bool))
     return jnp.stack(out, axis=1)
+
+
+def judge(logits_BJV, d_BK, valid_BK, q_BKV, sampling: SamplingParams, flags: SamplingFlags, keys_B):
+    """A verify round's verdict on the target's penalized logits [B, k+1, V] (`target_choices`):
+    (drafts kept n_B, the target's token x_B). Greedy: the longest run of drafts equal to the
+    argmax, then the argmax after it; sampling: `accept`, q_BKV None for one-hot drafts."""
+    B, K = d_BK.shape
+    if flags.greedy:
+        x_BJ = argmax(logits_BJV.reshape(B * (K + 1), -1)).reshape(B, K + 1)
+        hit_BK = (d_BK == x_BJ[:, :K]) & valid_BK
+        n_B = jnp.sum(jnp.cumprod(hit_BK, axis=1), axis=1).astype(jnp.int32)
+        return n_B, x_BJ[jnp.arange(B), n_B]
+    p_BJV = jax.vmap(lambda l_BV: probs(l_BV, sampling, flags), in_axes=1, out_axes=1)(logits_BJV)
+    if q_BKV is None:
+        q_BKV = jax.nn.one_hot(d_BK, logits_BJV.shape[-1], dtype=jnp.float32)
+    q_BKV = q_BKV * valid_BK[..., None]  # no draft there: the residual is p itself
+    return accept(p_BJV, q_BKV, d_BK, valid_BK, keys_B)
 
 
 def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampling: SamplingParams,
@@ -449,26 +476,17 @@ def spec_core(params: Params, aux, tokens_BT, start_B, max_new, stop_ids, sampli
         (d_BK, valid_BK, q_BKV), pstate = proposer.propose(aux, c.pstate, ctx, K)
         logits_BJV, cache = step(params, jnp.concatenate([c.token_B[:, None], d_BK], axis=1), c.cache,
                                  rotation=rotation, all_logits=True)  # verify_attention's table too
-        logits_BJV = _target_choices(logits_BJV, c.history, d_BK, sampling, flags)
-        if flags.greedy:
-            x_BJ = argmax(logits_BJV.reshape(B * (K + 1), -1)).reshape(B, K + 1)
-            if spec.synthetic is None:
-                hit_BK = (d_BK == x_BJ[:, :K]) & valid_BK
-            else:
-                hit_BK = _synthetic(ctx.keys_B, K, spec.synthetic) & valid_BK
-            n_B = jnp.sum(jnp.cumprod(hit_BK, axis=1), axis=1).astype(jnp.int32)
-            x_B = x_BJ[rows, n_B]
+        logits_BJV = target_choices(logits_BJV, c.history, d_BK, sampling, flags)
+        if spec.synthetic is None:
+            n_B, x_B = judge(logits_BJV, d_BK, valid_BK, q_BKV, sampling, flags, ctx.keys_B)
         else:
-            p_BJV = jax.vmap(lambda l_BV: probs(l_BV, sampling, flags), in_axes=1, out_axes=1)(logits_BJV)
-            if q_BKV is None:
-                q_BKV = jax.nn.one_hot(d_BK, cfg.vocab_size, dtype=jnp.float32)
-            q_BKV = q_BKV * valid_BK[..., None]  # no draft there: the residual is p itself
-            if spec.synthetic is None:
-                n_B, x_B = accept(p_BJV, q_BKV, d_BK, valid_BK, ctx.keys_B)
+            hit_BK = _synthetic(ctx.keys_B, K, spec.synthetic) & valid_BK
+            n_B = jnp.sum(jnp.cumprod(hit_BK, axis=1), axis=1).astype(jnp.int32)
+            if flags.greedy:
+                x_B = argmax(logits_BJV[rows, n_B])
             else:
-                hit_BK = _synthetic(ctx.keys_B, K, spec.synthetic) & valid_BK
-                n_B = jnp.sum(jnp.cumprod(hit_BK, axis=1), axis=1).astype(jnp.int32)
-                x_B = race(jax.vmap(lambda key: jax.random.fold_in(key, 2))(ctx.keys_B), p_BJV[rows, n_B])
+                p_BV = probs(logits_BJV[rows, n_B], sampling, flags)
+                x_B = race(jax.vmap(lambda key: jax.random.fold_in(key, 2))(ctx.keys_B), p_BV)
         emit_BJ = jnp.concatenate([d_BK, x_B[:, None]], axis=1)
         emit_BJ = jnp.where(j_J[None] < n_B[:, None], emit_BJ, x_B[:, None])  # [n] = x (later: unread)
         live_B = ~c.done_B

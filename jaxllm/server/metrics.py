@@ -32,6 +32,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"jaxllm:{name}", doc, value=s[key])
         yield CounterMetricFamily("jaxllm:compilations", "XLA compilations in this process.",
                                   value=s["compilations"])
+        for name, key, doc in (("spec_decode_num_verify_steps", "spec_steps", "Speculative verify steps with a draft."),
+                               ("spec_decode_num_draft_tokens", "spec_proposed", "Draft tokens checked."),
+                               ("spec_decode_num_accepted_tokens", "spec_accepted", "Draft tokens accepted.")):
+            if key in s:  # vLLM's names; an engine that does not speculate may not count them
+                yield CounterMetricFamily(f"jaxllm:{name}", doc, value=s[key])
 
 
 class Metrics:
