@@ -18,7 +18,8 @@ from jaxllm.engine import speculative as spec
 from jaxllm.engine.api import Request
 from test_engine import VOCAB, Collector, _alone, _prompt, _run, _wait_idle, params  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*recompiling generate")
+# slow: an engine of its own compiles every decode bucket twice over (plain and speculative)
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*recompiling generate")]
 
 MAX_SLOTS = 4
 MAX_CONTEXT = 96
