@@ -171,6 +171,35 @@ def decode_attention(qkv_BKJH, k_BKSH, v_BKSH, end_B, start_B, rotation_P2R, *,
     return heads.combined(), k_BKSH, v_BKSH
 
 
+def _cached_blocks(q1, q2, k_ref, v_ref, first, last, carry, *, block: int, R: int, scale, softcap,
+                   dtype, sees=None):
+    """The online softmax over the cached slots [first, last), a block of slots at a time: the
+    running (max [P], sum [P], weighted values [P, H]) `carry` of the P query rows (halves q1, q2)
+    updated by two tensor-core dots a block. `sees(slot)` [P, block], where given, limits what
+    each query row sees further (a verify step's per-token bounds)."""
+    f32 = jnp.float32
+
+    def body(i, carry):
+        m, l, acc = carry
+        base = pl.multiple_of(i * block, block)
+        slot = base + jnp.arange(block)
+        seen = ((slot >= first) & (slot < last))[None, :]
+        if sees is not None:
+            seen = sees(slot) & seen
+        kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
+        kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
+        s = _capped((dot_t(q1, kb1) + dot_t(q2, kb2)) * scale, softcap)  # [P, block]
+        s = jnp.where(seen, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        vb = v_ref[pl.ds(base, block), :].astype(dtype)
+        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), vb, preferred_element_type=f32)
+        return m_new, l * correction + jnp.sum(p, axis=1), acc
+
+    return jax.lax.fori_loop(first // block, jnp.maximum(first // block, -(-last // block)), body, carry)
+
+
 def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v_ref, *refs,
                              G, R, window, span, block, splits, eps, qk_norm, P, trigger, scale,
                              softcap, norm_offset):
@@ -235,24 +264,8 @@ def _decode_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
     first = jnp.maximum(lo, part * span)
     last = jnp.minimum(end, (part + 1) * span)
 
-    def body(i, carry):
-        m, l, acc = carry
-        base = pl.multiple_of(i * block, block)
-        slot = base + jnp.arange(block)
-        seen = ((slot >= first) & (slot < last))[None, :]
-        kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
-        kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
-        s = _capped((dot_t(q1, kb1) + dot_t(q2, kb2)) * scale, softcap)  # [P, block]
-        s = jnp.where(seen, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        vb = v_ref[pl.ds(base, block), :].astype(dtype)
-        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), vb, preferred_element_type=f32)
-        return m_new, l * correction + jnp.sum(p, axis=1), acc
-
-    m, l, acc = jax.lax.fori_loop(first // block, jnp.maximum(first // block, -(-last // block)),
-                                  body, (m, l, acc))
+    m, l, acc = _cached_blocks(q1, q2, k_ref, v_ref, first, last, (m, l, acc), block=block, R=R,
+                               scale=scale, softcap=softcap, dtype=dtype)
     if splits == 1:
         (out_ref,) = out_refs
         plt.store(out_ref.at[pl.ds(0, P), :], (acc / l[:, None]).astype(out_ref.dtype),
@@ -420,24 +433,8 @@ def _verify_attention_kernel(end_ref, start_ref, rotation_ref, qkv_ref, k_ref, v
     first = jnp.maximum(start if window is None else jnp.maximum(start, end + 1 - window), part * span)
     last = jnp.minimum(end, (part + 1) * span)
 
-    def body(i, carry):
-        m, l, acc = carry
-        base = pl.multiple_of(i * block, block)
-        slot = base + jnp.arange(block)
-        seen = sees(slot) & ((slot >= first) & (slot < last))[None, :]
-        kb1 = k_ref[pl.ds(base, block), pl.ds(0, R)].astype(dtype)
-        kb2 = k_ref[pl.ds(base, block), pl.ds(R, R)].astype(dtype)
-        s = _capped((dot_t(q1, kb1) + dot_t(q2, kb2)) * scale, softcap)  # [P, block]
-        s = jnp.where(seen, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        vb = v_ref[pl.ds(base, block), :].astype(dtype)
-        acc = acc * correction[:, None] + jnp.dot(p.astype(dtype), vb, preferred_element_type=f32)
-        return m_new, l * correction + jnp.sum(p, axis=1), acc
-
-    m, l, acc = jax.lax.fori_loop(first // block, jnp.maximum(first // block, -(-last // block)),
-                                  body, (m, l, acc))
+    m, l, acc = _cached_blocks(q1, q2, k_ref, v_ref, first, last, (m, l, acc), block=block, R=R,
+                               scale=scale, softcap=softcap, dtype=dtype, sees=sees)
     at = (pl.ds(0, Tq), pl.ds(0, Gp))
     if splits == 1:
         (out_ref,) = out_refs
