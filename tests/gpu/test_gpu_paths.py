@@ -19,7 +19,7 @@
 - every kernel family's compile probe (`kernels.probe`) passes;
 - on 2 GPUs or more, models split over two of them (tensor parallel) against one GPU.
 Bounds are a few times the bf16 errors seen on an H200: attention 3.5e-3, prefill logits 1.5e-2,
-MoE 7.2e-3.
+MoE 7.2e-3. Gemma's whole steps are held to XLA's own distance from float32 (`_as_close_as_xla`).
 """
 
 import dataclasses
@@ -523,6 +523,22 @@ def test_add_norm_kernel_with_gemmas_norms(M, C):
 GEMMA_STEPS = ["DECODE_ATTENTION", "DECODE_PROJECT", "ROWS_PROJECT", "ADD_NORM"]
 
 
+def _float32_reference(params, run, switches):
+    """run(params) with every weight in float32, XLA's matrix products at full precision."""
+    wide = jax.tree.map(lambda x: x.astype(f32) if x.dtype == bf16 else x, params)
+    with jax.default_matmul_precision("float32"):
+        return _with_switches(switches, lambda: run(wide))
+
+
+def _as_close_as_xla(got, xla, want):
+    """Gemma's random bf16 models drift far from float32 on any path ((1 + w) norms, the sqrt(D)
+    embedding scale): 4 layers of gemma3-1b's widths are 9% off in logits and 13% in the cache on
+    XLA and the kernels alike (interpreted on a CPU). So the kernels' outputs are held to XLA's own
+    distance from float32, not to XLA's outputs."""
+    for what, g, x, w in zip(("logits", "cache k"), got, xla, want):
+        assert rel(g, w) <= 1.25 * rel(x, w) + 1e-2, (what, rel(g, w), rel(x, w))
+
+
 @pytest.mark.parametrize("name", ["gemma3-1b", "gemma2-2b"])
 @pytest.mark.parametrize("rows", [1, 32])
 def test_gemma_decode_via_kernels_matches_xla(name, rows):
@@ -534,8 +550,9 @@ def test_gemma_decode_via_kernels_matches_xla(name, rows):
     assert paths["attention"] == paths["add_norm"] == "kernel", paths
     assert paths["qkv"] == paths["o"] == ("project" if rows == 1 else "rows"), paths
     outs = _decode_both_ways(cfg, params, tokens, start, GEMMA_STEPS)
-    assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2, "logits"
-    assert rel(outs["auto"][1], outs["xla"][1]) <= 3e-2, "cache k"
+    want = _float32_reference(params, lambda p: _prefill_and_decode(cfg, p, tokens, start),
+                              dict.fromkeys(GEMMA_STEPS, "xla"))
+    _as_close_as_xla(outs["auto"], outs["xla"], want)
 
 
 @pytest.mark.parametrize("name, B, T", [("gemma3-1b", 1, 5), ("gemma2-2b", 3, 4)])
@@ -547,7 +564,7 @@ def test_gemma_verify_step_via_kernels_matches_xla(name, B, T):
     tokens, start = jnp.tile(tokens, (2, 1))[:B], jnp.tile(start, 2)[:B]
     step = jax.jit(model.step, static_argnames=("fresh", "all_logits"))
 
-    def run():
+    def run(params=params):
         cache = init_cache(cfg, B, 320, params.dtype, start)
         _, cache = step(params, tokens, cache, fresh=True)
         cache = rollback(cache, jnp.arange(B) % 3)
@@ -560,9 +577,9 @@ def test_gemma_verify_step_via_kernels_matches_xla(name, B, T):
         return run()
 
     got = _with_switches({"VERIFY_ROWS_MIN": 8, "ROWS_LARGE_WEIGHTS": 0}, planned)
-    want = _with_switches({"VERIFY_TOKENS": 0}, run)
-    assert rel(got[0], want[0]) <= 3e-2, "logits"
-    assert rel(got[1], want[1]) <= 3e-2, "cache k"
+    xla = _with_switches({"VERIFY_TOKENS": 0}, run)
+    everything_xla = dict.fromkeys(GEMMA_STEPS, "xla") | {"VERIFY_TOKENS": 0}
+    _as_close_as_xla(got, xla, _float32_reference(params, run, everything_xla))
 
 
 def test_gemma3_rotation_tables_made_once_match_each_steps():
