@@ -7,6 +7,7 @@ neither do not pay for them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from typing import Any
@@ -49,6 +50,14 @@ def tiny(tmp_path_factory):
 def llama(tiny) -> TinyModel:
     return tiny("llama")
 
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker a core, at most 4 (each holds JAX, torch and its models); none for
+    `pytest -m gpu`, whose tests share one GPU."""
+    if "gpu" in (config.getoption("markexpr") or "").replace("not gpu", ""):
+        return 0
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def pytest_collection_modifyitems(config, items):
