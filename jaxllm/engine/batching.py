@@ -246,7 +246,8 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
                         x_n[:, None])
     kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
-    cache = rollback(cache, speculative.rejected(J, kept_n))
+    # the rows past the bucket roll back nothing (a [B] count: [n] broadcast over them, or failed)
+    cache = rollback(cache, put(jnp.zeros_like(cache.end), speculative.rejected(J, kept_n)))
     keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
     if not flags.greedy:
         for j in range(J):
