@@ -107,7 +107,12 @@ def parse_args(argv):
                    help="programs that compute nothing, ready MS ms after the previous call's (host side alone)")
     p.add_argument("--speculate", choices=("ngram",), default=None,
                    help="the engine speculates by prompt lookup (decode buckets up to JAXLLM_SPEC_MAX_BATCH rows)")
-    p.add_argument("--num-speculative", type=int, default=None, metavar="K", help="drafts a row a step (default: 7)")
+    p.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="the engine speculates with this draft checkpoint (same tokenizer)")
+    p.add_argument("--draft-preset", metavar="NAME", default=None,
+                   help="the engine speculates with a draft of this preset's shape, random weights")
+    p.add_argument("--num-speculative", type=int, default=None, metavar="K",
+                   help="drafts a row a step (default: 7 for ngram, 3 for a draft)")
     args = p.parse_args(argv)
     modes = args.mode.split(",")
     if not modes or any(m not in ("engine", "http", "static") for m in modes):
@@ -117,10 +122,15 @@ def parse_args(argv):
         p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
     if args.time_device_every < 0 or args.fake_device is not None and not args.fake_device >= 0:
         p.error("--time-device-every and --fake-device must be >= 0")
-    if args.speculate and args.fake_device is not None:
-        p.error("--speculate needs the real device programs, not --fake-device")
-    if args.num_speculative is not None and not args.speculate:
-        p.error("--num-speculative needs --speculate ngram")
+    drafts = [x for x in (args.speculate, args.draft_model, args.draft_preset) if x]
+    if len(drafts) > 1:
+        p.error("give one of --speculate, --draft-model, --draft-preset")
+    if drafts and args.fake_device is not None:
+        p.error("speculation needs the real device programs, not --fake-device")
+    if args.num_speculative is not None and not drafts:
+        p.error("--num-speculative needs --speculate ngram, --draft-model or --draft-preset")
+    if args.draft_model is not None and not Path(args.draft_model).exists():
+        p.error(f"--draft-model: no model at {args.draft_model!r}")
     if args.fake_device is not None and "static" in args.modes:
         p.error("--fake-device fakes the engine's programs: --mode engine, http or both")
     return args
@@ -480,14 +490,21 @@ def main(argv=None) -> int:
                  prefill_chunk=args.prefill_chunk, requests=args.requests,
                  rate=None if math.isinf(args.rate) else args.rate, input_len=list(args.input_len),
                  output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
-                 speculate=args.speculate, num_speculative=args.num_speculative)
+                 speculate=args.speculate or args.draft_model or args.draft_preset,
+                 num_speculative=args.num_speculative)
+    speculative = args.speculate
+    if args.draft_model:
+        speculative = jaxllm.load(args.draft_model, dtype=dtype)
+    elif args.draft_preset:
+        speculative = presets.random_params(presets.get_config(args.draft_preset), seed=args.seed + 1,
+                                            dtype=jax.numpy.dtype(dtype))
     engine = None
     if {"engine", "http"} & set(args.modes):
         kind = BatchingEngine if args.fake_device is None else fake_device_engine(args.fake_device)
         engine = kind(params, max_slots=args.max_slots, max_context=args.max_context, max_queued=args.requests,
                       prefill_chunk=args.prefill_chunk, time_device_every=args.time_device_every,
-                      **(dict(speculative=args.speculate, num_speculative=args.num_speculative)
-                         if args.speculate else {}))
+                      **(dict(speculative=speculative, num_speculative=args.num_speculative)
+                         if speculative is not None else {}))
         started = time.perf_counter()
         engine.start()
         label["warmup_s"] = round(time.perf_counter() - started, 2)

@@ -50,3 +50,18 @@ def test_bench_serve_fake_device_runs_the_host_side_alone():
         # a fake call takes 1 ms exactly: the device's share is counted, not sampled
         calls = line["decode_steps"] + line["prefill_calls"] + line["chunk_calls"]
         assert line["device_ms_per_step"] == round(calls / line["decode_steps"], 4)
+
+
+@pytest.mark.slow
+def test_bench_serve_speculates_with_a_draft_preset():
+    """--draft-preset: the engine speculates with a random draft, and the line says so."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "4",
+         "--max-slots", "2", "--max-context", "64", "--prefill-chunk", "32", "--input-len", "4,24",
+         "--output-len", "4,12", "--draft-preset", "tiny", "--num-speculative", "2", "--mode", "engine"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert line["errors"] == [] and line["speculate"] == "tiny" and line["num_speculative"] == 2
+    assert line["spec_steps"] > 0 and line["spec_proposed"] >= line["spec_accepted"] >= 0
+    assert line["compilations_during_run"] == 0

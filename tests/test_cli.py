@@ -116,7 +116,9 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     (["serve", "--max-queued", "0"], "argument --max-queued: must be >= 1, got 0"),
     (["serve", "--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a number of seconds >= 0"),
     (["serve", "--prefill-chunk", "100"], "--prefill-chunk must be a power of two >= 16 or a multiple of 1024"),
-    (["serve", "--num-speculative", "3"], "--num-speculative needs --speculate ngram"),
+    (["serve", "--num-speculative", "3"], "--num-speculative needs --speculate ngram or --draft-model"),
+    (["serve", "--speculate", "ngram", "--draft-model", "d.gguf"], "give --speculate ngram or --draft-model, not both"),
+    (["serve", "--draft-model", "/nonexistent/draft"], "no draft model at /nonexistent/draft"),
     (["serve", "--speculate", "ngram", "--num-speculative", "0"], "argument --num-speculative: must be in [1, 32], got 0"),
     (["serve", "--model", "/nonexistent/model"], "no model at /nonexistent/model"),
 ])

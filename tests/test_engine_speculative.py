@@ -1,4 +1,5 @@
-"""The serving engine with prompt-lookup speculation, on test_engine's tiny float32 model.
+"""The serving engine with speculation (prompt lookup, a draft model), on test_engine's tiny
+float32 model.
 
 Speculation must not change a greedy request's tokens (each equals `generate` alone, whatever
 else runs), a seeded sampled request draws the same tokens alone and under load, a stop id or
@@ -222,10 +223,8 @@ def test_a_speculative_step_updates_the_cache_in_place(params):
 
 
 def test_bad_arguments_are_named(params):
-    with pytest.raises(ValueError, match="prompt lookup only"):
+    with pytest.raises(ValueError, match="by prompt lookup .* or with a draft model"):
         jaxllm.Engine(params, speculative="draft")
-    with pytest.raises(ValueError, match="prompt lookup only"):
-        jaxllm.Engine(params, speculative=params)
     with pytest.raises(ValueError, match="num_speculative needs"):
         jaxllm.Engine(params, num_speculative=3)
     with pytest.raises(ValueError, match="num_speculative"):
@@ -246,3 +245,86 @@ def test_no_compilation_after_ready(engine):
     for c in cs:
         c.wait()
     assert engine.stats()["compilations"] == before
+
+
+# --- a draft model ---------------------------------------------------------------------------------
+
+
+def _perturbed(params, scale, seed=9):
+    """The target with noise on every weight: a draft that agrees with it often, not always."""
+    import jax
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) if hasattr(x, "dtype") and x.dtype.kind == "f" else x
+             for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(tree, noisy)
+
+
+@pytest.fixture(scope="module", params=["itself", "perturbed"])
+def drafted(params, request):
+    """(draft, engine): the target speculating with itself as the draft (every draft accepted) or
+    with a noisy copy (some accepted, some not); both of one shape, so they share the compilations."""
+    draft = params if request.param == "itself" else _perturbed(params, 0.01)
+    e = jaxllm.Engine(params, max_slots=MAX_SLOTS, max_context=MAX_CONTEXT, prefill_chunk=CHUNK,
+                      prefill_batches=(1, 2), decode_rows=DECODE_ROWS, speculative=draft, num_speculative=K)
+    e.start()
+    yield request.param, e
+    e.shutdown(10)
+
+
+def test_a_draft_model_gives_each_request_generate_alone(drafted, params):
+    """Requests of different lengths at once, a prompt longer than a chunk among them: each gets
+    generate's greedy tokens alone; a draft equal to the target has every draft accepted, in events
+    of k + 1 tokens; a noisy one has some rejected. Nothing compiles after ready."""
+    kind, engine = drafted
+    rng = random.Random(10)
+    jobs = [(_prompt(rng, rng.randrange(1, 30)), rng.randrange(1, 30)) for _ in range(9)]
+    jobs += [(_prompt(rng, 45), 20)]  # prefilled in chunks, the draft's cache too
+    before = _wait_idle(engine)
+    got = [Collector() for _ in jobs]
+    for (prompt, n), c in zip(jobs, got):
+        engine.submit(Request(prompt, n, ignore_eos=True), c)
+    for i, (prompt, n) in enumerate(jobs):
+        c = got[i].wait()
+        assert c.tokens == _alone(params, prompt, n), f"request {i} (prompt {len(prompt)}, {n} tokens)"
+    after = _wait_idle(engine)
+    assert after["slots_in_use"] == 0
+    assert after["compilations"] == after["warmup_compilations"]
+    accepted = after["spec_accepted"] - before["spec_accepted"]
+    proposed = after["spec_proposed"] - before["spec_proposed"]
+    if kind == "itself":
+        assert accepted == proposed > 0
+        assert any(len(e.token_ids) == K + 1 for c in got for e in c.events)
+    else:
+        assert 0 < accepted < proposed
+
+
+def test_a_draft_models_seeded_sampling_is_generates(drafted, params):
+    """A seeded sampled request draws generate's tokens with the same draft, k and seed, alone and
+    beside other requests."""
+    kind, engine = drafted
+    draft = params if kind == "itself" else _perturbed(params, 0.01)
+    rng = random.Random(11)
+    prompt = _prompt(rng, 12)
+    settings = dict(temperature=0.9, top_k=50)
+    out = jaxllm.generate(params, [list(prompt)], max_new_tokens=24, eos_token_ids=[], seed=5,
+                          speculative=draft, num_speculative=K, **settings)
+    expected = np.asarray(out.tokens[0]).tolist()
+    assert _run(engine, Request(prompt, 24, seed=5, ignore_eos=True, **settings)).tokens == expected
+    background = [Collector() for _ in range(MAX_SLOTS - 1)]
+    for i, b in enumerate(background):
+        engine.submit(Request(_prompt(rng, 5 + i), 30, temperature=1.0, seed=100 + i, ignore_eos=True), b)
+    assert _run(engine, Request(prompt, 24, seed=5, ignore_eos=True, **settings)).tokens == expected
+    for b in background:
+        b.wait()
+
+
+def test_a_draft_of_another_vocabulary_is_named_at_start(params):
+    import dataclasses
+
+    import jax
+    other = jaxllm.init_params(dataclasses.replace(params.config, vocab_size=VOCAB + 64), jax.random.key(3),
+                               dtype=params.dtype)
+    e = jaxllm.Engine(params, max_slots=1, max_context=32, prefill_chunk=32, speculative=lambda: other)
+    with pytest.raises(ValueError, match="draft model's vocabulary"):
+        e.start()

@@ -50,8 +50,13 @@ def add_serve(subparsers) -> None:
                    help="speculative decoding by prompt lookup (drafts from the request's own prompt and "
                         "answer, checked in one step): the same tokens when greedy, the same law when "
                         "sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH (8) rows")
+    p.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="speculative decoding with a smaller checkpoint of the same tokenizer proposing "
+                        "the tokens (its own cache of --max-slots rows); the same tokens when greedy, the "
+                        "same law when sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH (8) rows")
     p.add_argument("--num-speculative", type=argtype(1, 32), default=None, metavar="K",
-                   help="drafts a row a step with --speculate (default: 7)")
+                   help="drafts a row a step with --speculate or --draft-model (default: 7 for ngram, "
+                        "3 for a draft model)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM, seconds in-flight requests may take before they are aborted "
                         "(default: 30)")
@@ -73,8 +78,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.prefill_chunk < 16 or bucket(args.prefill_chunk) != args.prefill_chunk:
         raise UsageError(f"--prefill-chunk must be a power of two >= 16 or a multiple of 1024, "
                          f"got {args.prefill_chunk}")
-    if args.num_speculative is not None and not args.speculate:
-        raise UsageError("--num-speculative needs --speculate ngram")
+    if args.speculate and args.draft_model:
+        raise UsageError("give --speculate ngram or --draft-model, not both")
+    if args.num_speculative is not None and not (args.speculate or args.draft_model):
+        raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
+    if args.draft_model and not Path(args.draft_model).exists():
+        raise UsageError(f"no draft model at {args.draft_model}")
+    if args.draft_model and args.tp > 1:
+        raise UsageError("--draft-model runs on one device: it cannot be combined with --tp yet")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
     # A GPU's decode step costs about the same for 1 or 64 rows (it reads the weights once); a CPU's
@@ -88,10 +99,14 @@ def run_serve(args: argparse.Namespace) -> int:
     def load():  # on the engine's start thread: the server answers /health with 503 meanwhile
         return load_model(args)[0]
 
+    def load_draft():  # after load(), on the same thread
+        return jaxllm.load(args.draft_model, dtype=args.dtype, quant=args.quant)
+
     # the model's stop ids join these when it is loaded (cli.stop_ids)
     engine = BatchingEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_slots=max_slots,
                             max_context=args.max_context, max_queued=args.max_queued,
-                            prefill_chunk=args.prefill_chunk, speculative=args.speculate,
+                            prefill_chunk=args.prefill_chunk,
+                            speculative=load_draft if args.draft_model else args.speculate,
                             num_speculative=args.num_speculative)
     failure: list[str] = []
 

@@ -48,6 +48,7 @@ import numpy as np
 from flax import struct
 
 from jaxllm.engine import speculative
+from jaxllm.engine.speculative import Draft
 from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request,
                                TokenLogprob)
 from jaxllm.engine.generate import MIN_BUCKET, bucket
@@ -55,6 +56,7 @@ from jaxllm.engine.sampling import choose, record, seen_from_prompt
 from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
 from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release, rollback
+from jaxllm.model.params import Params
 from jaxllm.model.transformer import rotation_table, step
 
 # Decode buckets below max_slots: 1 (a lone stream: the one-row kernels), 8 and 32 (the rows
@@ -87,9 +89,11 @@ class Rows:
     cache: KVCache  # [B] rows of S slots
     seen: jax.Array  # bool [B, V]: ids in the row's prompt and output (repetition penalty)
     counts: jax.Array  # int32 [B, V]: the row's output ids (presence and frequency penalties)
-    # int32 [B, S] (prompt lookup only, else None): the row's token at each cache slot, its
+    # int32 [B, S] (speculating only, else None): the row's token at each cache slot, its
     # pending token (emitted, not yet in the cache) at slot end, as speculative.NGram reads them
+    # and a draft model catches up from them
     seq: jax.Array | None = None
+    draft: KVCache | None = None  # a draft model's cache (the same rows and slots), else None
 
 
 @struct.dataclass
@@ -116,49 +120,66 @@ def _put_rows(into, rows_b, x):
     return into.at[rows_b].set(x.astype(into.dtype), mode="drop")
 
 
+def _insert_rows(cache: KVCache, fresh: KVCache, at_b) -> KVCache:
+    """`cache` with rows at_b [b] (B or more: dropped) holding the b-row cache `fresh` in their
+    first slots (every layer and int8 scale) and its bounds."""
+    W = fresh.length
+
+    def slots(big, small):
+        return big.at[at_b, :, :W].set(small, mode="drop")
+    many = lambda big, small: None if big is None else [slots(x, y) for x, y in zip(big, small, strict=True)]
+    return cache.replace(k=many(cache.k, fresh.k), v=many(cache.v, fresh.v),
+                         k_scale=many(cache.k_scale, fresh.k_scale), v_scale=many(cache.v_scale, fresh.v_scale),
+                         start=_put_rows(cache.start, at_b, fresh.start), end=_put_rows(cache.end, at_b, fresh.end))
+
+
 def _prefill_insert(params, rows: Rows, nxt: Next, tokens_bW, start_b, at_b, sampling_b: SamplingParams,
-                    *, kv_int8: bool):
+                    draft=None, *, kv_int8: bool):
     """Prefill b left-padded prompts of one bucket width W, sample each first token (index 0), and
-    insert each row into the cache's row at_b (B: padding, dropped). Returns (rows, next, first
-    tokens [b], logprobs)."""
+    insert each row into the cache's row at_b (B: padding, dropped); with a `draft` model, its
+    cache's rows too. Returns (rows, next, first tokens [b], logprobs)."""
     cfg = params.config
     b, W = tokens_bW.shape
-    fresh = init_cache(cfg, b, W, params.dtype, start_b, kv_dtype="int8" if kv_int8 else None)
+    kv_dtype = "int8" if kv_int8 else None
+    fresh = init_cache(cfg, b, W, params.dtype, start_b, kv_dtype=kv_dtype)
     logits_bV, fresh = step(params, tokens_bW, fresh, fresh=True)
+    draft_cache = rows.draft
+    if draft is not None:
+        fresh_d = init_cache(draft.config, b, W, draft.dtype, start_b, kv_dtype=kv_dtype)
+        _, fresh_d = step(draft, tokens_bW, fresh_d, fresh=True)
+        draft_cache = _insert_rows(draft_cache, fresh_d, at_b)
     history = (seen_from_prompt(tokens_bW, start_b, cfg.vocab_size), jnp.zeros((b, cfg.vocab_size), jnp.int32))
     first_b = choose(logits_bV, history, sampling_b, 0, EVERY)
     logprobs = _logprobs(logits_bV, first_b)
     seen_bV, counts_bV = record(history, first_b, jnp.ones((b,), bool))
-    cache = rows.cache
-
-    def slots(big, small):  # the row's first W slots, every layer (and int8 scale)
-        return big.at[at_b, :, :W].set(small, mode="drop")
-    many = lambda big, small: None if big is None else [slots(x, y) for x, y in zip(big, small, strict=True)]
-    cache = cache.replace(k=many(cache.k, fresh.k), v=many(cache.v, fresh.v),
-                          k_scale=many(cache.k_scale, fresh.k_scale), v_scale=many(cache.v_scale, fresh.v_scale),
-                          start=_put_rows(cache.start, at_b, fresh.start), end=_put_rows(cache.end, at_b, fresh.end))
+    cache = _insert_rows(rows.cache, fresh, at_b)
     seq = rows.seq
     if seq is not None:  # the padded prompt at slots [0, W), its first token pending at W
         seq = seq.at[at_b, :W].set(tokens_bW, mode="drop").at[at_b, W].set(first_b, mode="drop")
-    rows = Rows(cache, _put_rows(rows.seen, at_b, seen_bV), _put_rows(rows.counts, at_b, counts_bV), seq)
+    rows = Rows(cache, _put_rows(rows.seen, at_b, seen_bV), _put_rows(rows.counts, at_b, counts_bV), seq,
+                draft_cache)
     nxt = Next(_put_rows(nxt.tokens, at_b, first_b), _put_rows(nxt.index, at_b, jnp.ones((b,), jnp.int32)),
                jax.tree.map(lambda x, y: _put_rows(x, at_b, y), nxt.sampling, sampling_b))
     return rows, nxt, first_b, logprobs
 
 
-def _chunk(params, stage: Rows, tokens_1C, start_1, *, first: bool):
+def _chunk(params, stage: Rows, tokens_1C, start_1, draft=None, *, first: bool):
     """One chunk of a long prompt into the one-row staging cache (the first: fresh, its left padding
-    before start_1); returns the staging state."""
+    before start_1), and into the draft model's if any; returns the staging state."""
     cfg = params.config
-    cache = stage.cache
+    cache, draft_cache = stage.cache, stage.draft
     if first:
         cache = cache.replace(start=start_1, end=jnp.zeros_like(cache.end))
+        if draft is not None:
+            draft_cache = draft_cache.replace(start=start_1, end=jnp.zeros_like(cache.end))
         seen = seen_from_prompt(tokens_1C, start_1, cfg.vocab_size)
     else:
         seen = stage.seen | seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size)
     seq = _put_chunk(stage.seq, tokens_1C, cache.end[0])
     _, cache = step(params, tokens_1C, cache, fresh=first)
-    return stage.replace(cache=cache, seen=seen, seq=seq)
+    if draft is not None:
+        _, draft_cache = step(draft, tokens_1C, draft_cache, fresh=first)
+    return stage.replace(cache=cache, seen=seen, seq=seq, draft=draft_cache)
 
 
 def _put_chunk(seq_1S, tokens_1C, at):
@@ -166,12 +187,17 @@ def _put_chunk(seq_1S, tokens_1C, at):
     return None if seq_1S is None else jax.lax.dynamic_update_slice(seq_1S, tokens_1C, (0, at))
 
 
-def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sampling_1: SamplingParams):
-    """The last chunk of a long prompt: run it on the staging cache, sample the first token and
-    insert the staged row into the cache's row `at` (traced). Returns (rows, next, first token [1],
-    logprobs)."""
+def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sampling_1: SamplingParams,
+                  draft=None):
+    """The last chunk of a long prompt: run it on the staging cache (and the draft model's), sample
+    the first token and insert the staged row into the cache's row `at` (traced). Returns (rows,
+    next, first token [1], logprobs)."""
     cfg = params.config
     logits_1V, staged = step(params, tokens_1C, stage.cache)
+    draft_cache = rows.draft
+    if draft is not None:
+        _, staged_d = step(draft, tokens_1C, stage.draft)
+        draft_cache = insert(draft_cache, staged_d, at)
     history = (stage.seen | seen_from_prompt(tokens_1C, jnp.zeros((1,), jnp.int32), cfg.vocab_size),
                jnp.zeros((1, cfg.vocab_size), jnp.int32))
     first_1 = choose(logits_1V, history, sampling_1, 0, EVERY)
@@ -183,7 +209,7 @@ def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sam
         seq_1S = _put_chunk(stage.seq, tokens_1C, stage.cache.end[0]).at[0, staged.end[0]].set(first_1[0], mode="drop")
         seq = jax.lax.dynamic_update_slice(seq, seq_1S, (jnp.asarray(at, jnp.int32), jnp.int32(0)))
     rows = Rows(insert(rows.cache, staged, at), _put_rows(rows.seen, at_1, seen_1V),
-                _put_rows(rows.counts, at_1, counts_1V), seq)
+                _put_rows(rows.counts, at_1, counts_1V), seq, draft_cache)
     nxt = Next(_put_rows(nxt.tokens, at_1, first_1), _put_rows(nxt.index, at_1, jnp.ones((1,), jnp.int32)),
                jax.tree.map(lambda x, y: _put_rows(x, at_1, y), nxt.sampling, sampling_1))
     return rows, nxt, first_1, logprobs
@@ -207,16 +233,17 @@ def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samplin
     seq = rows.seq
     if seq is not None:  # the new token pending at the row's new end
         seq = seq.at[jnp.arange(n), cache.end[:n]].set(token_n, mode="drop")
-    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq)
+    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq, rows.draft)
     nxt = Next(put(nxt.tokens, token_n), put(nxt.index, first(nxt.index) + 1), nxt.sampling)
     return rows, nxt, token_n, _logprobs(logits_nV, token_n) if logprobs else None
 
 
-def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: SamplingFlags, logprobs: bool,
-               k: int, proposer: speculative.NGram):
-    """A prompt-lookup round for each of the cache's first n rows (a decode bucket, as `_decode`):
-    up to k drafts from the row's own tokens, one target step over its pending token and them
-    (k + 1 positions), the longest run the target accepts and its own next token kept, the
+def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *, flags: SamplingFlags,
+               logprobs: bool, k: int, proposer: speculative.Proposer):
+    """A speculative round for each of the cache's first n rows (a decode bucket, as `_decode`):
+    up to k drafts (prompt lookup: from the row's own tokens; a `draft` model: k of its steps,
+    after it catches up on the tokens its cache lacks), one target step over its pending token and
+    them (k + 1 positions), the longest run the target accepts and its own next token kept, the
     rejected slots rolled back. A row without a draft keeps one token, as a plain step would.
     Returns (rows, next, tokens [n, k + 1] of which a row's first counts_n are new, (counts_n,
     drafts_n checked), logprobs [n, k + 1] or None).
@@ -232,14 +259,22 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     token_n, index_n, sampling = first(nxt.tokens), first(nxt.index), jax.tree.map(first, nxt.sampling)
     history = (first(rows.seen), first(rows.counts))
     end_n = free.end  # the pending token's slot
-    d_nK, valid_nK = proposer.drafts(first(rows.seq), free.start, end_n, token_n, k)
+    # A row's key by its token index, as a plain step's: its tokens do not depend on the batch
+    keys_n = None if flags.greedy else speculative.round_keys(sampling.seed, index_n)
+    draft_cache, q_nKV = rows.draft, None
+    if draft is None:
+        d_nK, valid_nK = proposer.drafts(first(rows.seq), free.start, end_n, token_n, k)
+    else:
+        dfree = release(draft_cache.replace(start=first(draft_cache.start), end=first(draft_cache.end)), ~active_n)
+        draft_cache = draft_cache.replace(start=put(draft_cache.start, dfree.start), end=put(draft_cache.end, dfree.end))
+        ctx = speculative.Context(first(rows.seq), 0, token_n, end_n + 1, jnp.int32(0), history, sampling, flags,
+                                  jnp.zeros((n,), jnp.uint32) if keys_n is None else keys_n, k)
+        (d_nK, valid_nK, q_nKV), draft_cache = proposer.propose(draft, draft_cache, ctx, k)
     valid_nK = valid_nK & active_n[:, None]
     raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), cache,
                           rotation=rotation, all_logits=True)
     logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
-    # A row's key by its token index, as a plain step's: its tokens do not depend on the batch
-    keys_n = None if flags.greedy else speculative.round_keys(sampling.seed, index_n)
-    accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, None, sampling, flags, keys_n)
+    accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, q_nKV, sampling, flags, keys_n)
     if not flags.greedy:  # a row without a draft draws as a plain step would, with its key
         x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
     j_J = jnp.arange(J, dtype=jnp.int32)
@@ -248,6 +283,8 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
     # the rows past the bucket roll back nothing (a [B] count: [n] broadcast over them, or failed)
     cache = rollback(cache, put(jnp.zeros_like(cache.end), speculative.rejected(J, kept_n)))
+    if draft is not None:  # its slots past the target's end are stale: the next catch-up rewrites them
+        draft_cache = proposer.commit(draft, draft_cache, cache.end[:n])
     keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
     if not flags.greedy:
         for j in range(J):
@@ -255,7 +292,7 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samp
     # d_1..d_n, x at the slots after the pending token's (S: past the row, dropped)
     cols_nJ = jnp.where(keep_nJ, end_n[:, None] + 1 + j_J[None], rows.seq.shape[1])
     seq = rows.seq.at[jnp.arange(n)[:, None], cols_nJ].set(emit_nJ, mode="drop")
-    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq)
+    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq, draft_cache)
     nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling)
     lp = _logprobs_J(raw_nJV, emit_nJ) if logprobs else None
     return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid_nK, axis=1, dtype=jnp.int32)), lp
@@ -298,13 +335,20 @@ def _programs() -> dict:
 
 
 def speculative_spec(speculative_, num_speculative) -> speculative.Spec:
-    """The engine's checked `speculative` and `num_speculative`: prompt lookup only, k fixed."""
+    """The engine's checked `speculative` and `num_speculative`, k fixed: prompt lookup ("ngram"
+    or an NGram), or a draft model (its Params, or a function that loads them); the draft's own
+    checks (vocabulary, sharding) come in `start`, once both models are loaded."""
     ngram = isinstance(speculative_, speculative.NGram)
-    if not (ngram or isinstance(speculative_, str) and speculative_ == "ngram"):
-        raise ValueError(f"the serving engine speculates by prompt lookup only: speculative='ngram', "
-                         f"got {speculative_!r}")
-    spec, _ = speculative.resolve(None, "ngram", num_speculative)
-    return spec._replace(proposer=speculative_) if ngram else spec
+    if ngram or isinstance(speculative_, str) and speculative_ == "ngram":
+        spec, _ = speculative.resolve(None, "ngram", num_speculative)
+        return spec._replace(proposer=speculative_) if ngram else spec
+    if isinstance(speculative_, Params) or callable(speculative_) and not isinstance(speculative_, type):
+        from jaxllm.engine.sampling import whole
+        k = speculative.DEFAULT_K["draft"] if num_speculative is None else \
+            whole("num_speculative", num_speculative, 1, 32)
+        return speculative.Spec(speculative.Draft(), k, adaptive=False)
+    raise ValueError(f"the serving engine speculates by prompt lookup (speculative='ngram') or with a draft "
+                     f"model (its Params), got {speculative_!r}")
 
 
 @dataclass(eq=False)
@@ -349,7 +393,8 @@ class BatchingEngine:
                  prefill_chunk: int = 512, prefill_batches: tuple[int, ...] = (1, 4, 16),
                  decode_rows: tuple[int, ...] = DECODE_ROWS, eos_token_ids=(), kv_dtype=None,
                  load: Callable[[], object] | None = None, time_device_every: int = 0,
-                 speculative: str | speculative.NGram | None = None, num_speculative: int | None = None):
+                 speculative: str | speculative.NGram | Params | Callable[[], Params] | None = None,
+                 num_speculative: int | None = None):
         """`params` may be None with `load` given: `start()` calls `load()` for them (a server
         answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
         `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
@@ -365,10 +410,12 @@ class BatchingEngine:
         device takes a step, to set against the loop's busy_s).
 
         `speculative="ngram"` (or a `speculative.NGram`) speculates by prompt lookup, k =
-        `num_speculative` drafts a row a step (default 7), in the decode buckets of at most
-        `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets decode plainly. Greedy
-        rows get plain greedy's tokens; sampled rows the same law, the same tokens for a seed while
-        the row's steps speculate
+        `num_speculative` drafts a row a step (default 7); a draft model's Params (or a function
+        that loads them, called in `start` after `load`) by k (default 3) steps of the draft, which
+        shares the target's vocabulary and keeps a cache of the same rows. Both in the decode
+        buckets of at most `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets
+        decode plainly. Greedy rows get plain greedy's tokens; sampled rows the same law, the same
+        tokens for a seed while the row's steps speculate
         (docs/decisions/serving.md#speculation-prompt-lookup-in-the-decode-step)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -388,7 +435,9 @@ class BatchingEngine:
         if speculative is not None:
             self._spec = speculative_spec(speculative, num_speculative)
         elif num_speculative is not None:
-            raise ValueError("num_speculative needs speculative='ngram'")
+            raise ValueError("num_speculative needs speculative='ngram' or a draft model")
+        # the draft model, or what loads it (start() resolves it)
+        self._draft = speculative if self._spec is not None and isinstance(self._spec.proposer, Draft) else None
         self._params, self._load = params, load
         self._eos = tuple(eos_token_ids)
         self.max_slots, self.max_context, self.max_queued = max_slots, max_context, max_queued
@@ -438,6 +487,12 @@ class BatchingEngine:
         try:
             if self._params is None:
                 self._params = self._load()
+            if self._draft is not None:
+                if self._params.tp is not None:
+                    raise ValueError("the serving engine runs a draft model with unsharded params only")
+                draft = self._draft if isinstance(self._draft, Params) else self._draft()
+                spec, self._draft = speculative.resolve(self._params, draft, self._spec.k)  # checks the pair
+                self._spec = spec._replace(tuning=self._spec.tuning)
             cfg = self._params.config
             context = cfg.max_position_embeddings
             self.max_context = min(self.max_context or context, context)
@@ -534,6 +589,18 @@ class BatchingEngine:
                                          _sampling_values([None] * B)))
         self._stage = Rows(init_cache(p.config, 1, self._length, p.dtype, kv_dtype=self._kv_dtype),
                            jnp.zeros((1, V), bool), jnp.zeros((1, 0), jnp.int32), seq(1))
+        d = self._draft
+        if d is not None:
+            # a catch-up feeds a chunk past the target's end, a round k slots (a multiple of 128
+            # for the decode attention kernel's blocks, as the target's)
+            length = -(-(self._length + max(self._spec.proposer.chunk, self._spec.k)) // 128) * 128
+            try:
+                check_fit(d, B, 1, length, self._kv_dtype)
+            except ValueError as e:
+                raise ValueError(f"the draft model's cache of {B} slots does not fit beside the target's: {e}") from None
+            self._rows = self._rows.replace(draft=init_cache(d.config, B, length, d.dtype, kv_dtype=self._kv_dtype))
+            self._stage = self._stage.replace(
+                draft=init_cache(d.config, 1, self._length, d.dtype, kv_dtype=self._kv_dtype))
         self._rotation = rotation_table(p.config, self._length) if p.tp is None else None
         if p.tp is not None:  # a sharded step computes every row
             self._decode_rows = (B,)
@@ -566,14 +633,16 @@ class BatchingEngine:
             for b in self._batch_sizes(width):
                 self._rows, self._next, *_ = self._prefill_fn(
                     self._params, self._rows, self._next, np.full((b, width), pad, np.int32),
-                    np.zeros((b,), np.int32), np.full((b,), B, np.int32), _sampling_values([None] * b))
+                    np.zeros((b,), np.int32), np.full((b,), B, np.int32), _sampling_values([None] * b), self._draft)
         if self.max_context > self.prefill_chunk:
             C = self.prefill_chunk
             tokens = np.full((1, C), pad, np.int32)
-            self._stage = self._chunk_fns[True](self._params, self._stage, tokens, np.zeros((1,), np.int32))
-            self._stage = self._chunk_fns[False](self._params, self._stage, tokens, None)
+            self._stage = self._chunk_fns[True](self._params, self._stage, tokens, np.zeros((1,), np.int32),
+                                                self._draft)
+            self._stage = self._chunk_fns[False](self._params, self._stage, tokens, None, self._draft)
             self._rows, self._next, *_ = self._chunk_insert_fn(
-                self._params, self._rows, self._next, self._stage, tokens, np.int32(0), _sampling_values([None]))
+                self._params, self._rows, self._next, self._stage, tokens, np.int32(0), _sampling_values([None]),
+                self._draft)
         for n in self._decode_rows:
             for flags in (GREEDY, EVERY):
                 for logprobs in (False, True):
@@ -582,7 +651,7 @@ class BatchingEngine:
                         flags=flags, logprobs=logprobs)
                     if n in self._spec_rows:
                         self._rows, self._next, *_ = self._speculate_fn(
-                            self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
+                            self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation, self._draft,
                             flags=flags, logprobs=logprobs, k=self._spec.k, proposer=self._spec.proposer)
         jax.block_until_ready(self._rows)
 
@@ -698,7 +767,8 @@ class BatchingEngine:
             owners = [o if a else None for o, a in zip(self._owner, active)]
             if n in self._spec_rows:
                 self._rows, self._next, tokens, counts, lp = self._speculate_fn(
-                    self._params, self._rows, self._next, active, self._rotation, flags=flags, logprobs=logprobs,
+                    self._params, self._rows, self._next, active, self._rotation, self._draft, flags=flags,
+                    logprobs=logprobs,
                     k=self._spec.k, proposer=self._spec.proposer)
                 self._pending.append(_Pending(owners, tokens, lp, counts))
             else:
@@ -729,7 +799,7 @@ class BatchingEngine:
             start[j], at[j] = width - P, item.row
         self._rows, self._next, first, lp = self._prefill_fn(
             self._params, self._rows, self._next, tokens, start, at,
-            _sampling_values([i.request for i in items] + [None] * (b - len(items))))
+            _sampling_values([i.request for i in items] + [None] * (b - len(items))), self._draft)
         self._pending.append(_Pending(list(items) + [None] * (b - len(items)), first, lp))
         self._counters["prefill_calls"] += 1
 
@@ -740,12 +810,13 @@ class BatchingEngine:
             item.chunked += 1
             P = len(item.request.prompt)
             start = np.array([-P % self.prefill_chunk], np.int32)
-            self._stage = self._chunk_fns[first](self._params, self._stage, tokens, start if first else None)
+            self._stage = self._chunk_fns[first](self._params, self._stage, tokens, start if first else None,
+                                                 self._draft)
             self._counters["chunk_calls"] += 1
             return
         self._rows, self._next, first, lp = self._chunk_insert_fn(
             self._params, self._rows, self._next, self._stage, tokens, np.int32(item.row),
-            _sampling_values([item.request]))
+            _sampling_values([item.request]), self._draft)
         with self._cond:
             if self._staging is item:
                 self._staging = None

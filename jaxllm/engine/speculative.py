@@ -244,18 +244,21 @@ class Draft(Proposer):
         return cache
 
     def catch_up(self, aux, cache: KVCache, seq_BS, end_B) -> KVCache:
-        """The cache fed seq_BS's columns from its end to end_B (exclusive), the same slots."""
+        """The cache fed seq_BS's columns from its end to end_B (exclusive), the same slots. With
+        fewer rows in seq_BS than in the cache (a serving engine's decode bucket), its first rows."""
         S = seq_BS.shape[1]
         rotation = rotation_table(aux.config, cache.length) if aux.tp is None else None
+        ends = _first_rows(cache, end_B)
 
         def feed(cache, T):
-            i_BT = cache.end[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+            i_BT = ends(cache.end)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
             tokens_BT = jnp.take_along_axis(seq_BS, jnp.clip(i_BT, 0, S - 1), axis=1)
             _, cache = step(aux, tokens_BT, cache, rotation=rotation if T == 1 else None)
-            return rollback(cache, T - jnp.clip(end_B - (cache.end - T), 0, T))  # what was not missing
+            extra_B = T - jnp.clip(end_B - (ends(cache.end) - T), 0, T)  # what was not missing
+            return rollback(cache, _as_rows(cache, extra_B))
 
-        cache = jax.lax.while_loop(lambda c: jnp.max(end_B - c.end) > 1, lambda c: feed(c, self.chunk), cache)
-        return jax.lax.while_loop(lambda c: jnp.any(end_B > c.end), lambda c: feed(c, 1), cache)
+        cache = jax.lax.while_loop(lambda c: jnp.max(end_B - ends(c.end)) > 1, lambda c: feed(c, self.chunk), cache)
+        return jax.lax.while_loop(lambda c: jnp.any(end_B > ends(c.end)), lambda c: feed(c, 1), cache)
 
     def propose(self, aux, cache, ctx, k):
         cache = self.catch_up(aux, cache, ctx.seq_BS, ctx.end_B)
@@ -287,7 +290,21 @@ class Draft(Proposer):
         return Proposal(d_BK, valid_BK, None if flags.greedy else q_BKV), cache
 
     def commit(self, aux, cache, end_B):
-        return cache.replace(end=jnp.minimum(cache.end, end_B))
+        n = end_B.shape[0]
+        return cache.replace(end=jnp.minimum(cache.end, end_B) if n == cache.batch else
+                             cache.end.at[:n].min(end_B))
+
+
+def _first_rows(cache: KVCache, x_n):
+    """A view of a [B] array as its first n = len(x_n) rows."""
+    n = x_n.shape[0]
+    return (lambda y: y) if n == cache.batch else (lambda y: y[:n])
+
+
+def _as_rows(cache: KVCache, x_n):
+    """x_n [n] as the cache's [B] rows, zeros past n."""
+    n = x_n.shape[0]
+    return x_n if n == cache.batch else jnp.zeros((cache.batch,), x_n.dtype).at[:n].set(x_n)
 
 
 # --- the pieces of a round (module functions: the negative-control tests replace them) ---------
