@@ -22,9 +22,10 @@ of S slots each (S = max_context plus the left padding a prompt bucket adds), on
   step n + 1 before it reads step n's tokens (one device_get), so the host's work for step n (stop
   ids, events, the server's detokenizing) overlaps the device's step n + 1; a row that finished
   at step n is computed once more and ignored;
-- with `speculative="ngram"`, a decode bucket of at most `SpecTuning.max_batch` rows runs a
-  prompt-lookup round instead (`_speculate`): each row's tokens live on the device beside its
-  cache, so the drafts are found inside the step; a row keeps 1 to k + 1 tokens a step, which its
+- with `speculative="ngram"` or a draft model, a decode bucket of at most `SpecTuning.max_batch`
+  rows runs a speculative round instead (`_speculate`): each row's tokens live on the device
+  beside its cache (and the draft's cache), so the drafts are made inside the step, and a step in
+  which no row has a draft is a plain one; a row keeps 1 to k + 1 tokens a step, which its
   request gets in one event.
 
 Every program it runs is compiled in `start()`, before `ready`; `stats()["compilations"]` counts
@@ -248,8 +249,11 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *,
     Returns (rows, next, tokens [n, k + 1] of which a row's first counts_n are new, (counts_n,
     drafts_n checked), logprobs [n, k + 1] or None).
 
-    No `lax.cond` to a plain step when no row has a draft: XLA's conditional copied every layer's
-    cache around it (CPU HLO), which a server's cache cannot afford."""
+    When no running row has a prompt-lookup draft the step is the plain one-token step
+    (`_decode`), which costs less than a verify step over k + 1 positions. The two are
+    `while_loop`s of zero or one trip, whose carries XLA aliases, as in generate's loop: a
+    `lax.cond` between them copied every layer's cache around it (CPU HLO), which a server's
+    cache cannot afford."""
     B, n, J = rows.cache.batch, active_n.shape[0], k + 1
     first = (lambda x: x) if n == B else (lambda x: x[:n])
     put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
@@ -271,31 +275,55 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *,
                                   jnp.zeros((n,), jnp.uint32) if keys_n is None else keys_n, k)
         (d_nK, valid_nK, q_nKV), draft_cache = proposer.propose(draft, draft_cache, ctx, k)
     valid_nK = valid_nK & active_n[:, None]
-    raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), cache,
-                          rotation=rotation, all_logits=True)
-    logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
-    accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, q_nKV, sampling, flags, keys_n)
-    if not flags.greedy:  # a row without a draft draws as a plain step would, with its key
-        x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
-    j_J = jnp.arange(J, dtype=jnp.int32)
-    emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
-                        x_n[:, None])
-    kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
-    # the rows past the bucket roll back nothing (a [B] count: [n] broadcast over them, or failed)
-    cache = rollback(cache, put(jnp.zeros_like(cache.end), speculative.rejected(J, kept_n)))
-    if draft is not None:  # its slots past the target's end are stale: the next catch-up rewrites them
-        draft_cache = proposer.commit(draft, draft_cache, cache.end[:n])
-    keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
-    if not flags.greedy:
-        for j in range(J):
-            history = record(history, emit_nJ[:, j], keep_nJ[:, j])
-    # d_1..d_n, x at the slots after the pending token's (S: past the row, dropped)
-    cols_nJ = jnp.where(keep_nJ, end_n[:, None] + 1 + j_J[None], rows.seq.shape[1])
-    seq = rows.seq.at[jnp.arange(n)[:, None], cols_nJ].set(emit_nJ, mode="drop")
-    rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq, draft_cache)
-    nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling)
-    lp = _logprobs_J(raw_nJV, emit_nJ) if logprobs else None
-    return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid_nK, axis=1, dtype=jnp.int32)), lp
+    rows = rows.replace(cache=cache, draft=draft_cache)
+
+    def verify(rows: Rows, nxt: Next):
+        raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), rows.cache,
+                              rotation=rotation, all_logits=True)
+        logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
+        accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, q_nKV, sampling, flags, keys_n)
+        if not flags.greedy:  # a row without a draft draws as a plain step would, with its key
+            x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
+        j_J = jnp.arange(J, dtype=jnp.int32)
+        emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
+                            x_n[:, None])
+        kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
+        # the rows past the bucket roll back nothing (a [B] count: [n] broadcast over them, or failed)
+        cache = rollback(cache, put(jnp.zeros_like(cache.end), speculative.rejected(J, kept_n)))
+        draft_cache = rows.draft
+        if draft is not None:  # its slots past the target's end are stale: the next catch-up rewrites them
+            draft_cache = proposer.commit(draft, draft_cache, cache.end[:n])
+        keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
+        h = history
+        if not flags.greedy:
+            for j in range(J):
+                h = record(h, emit_nJ[:, j], keep_nJ[:, j])
+        # d_1..d_n, x at the slots after the pending token's (S: past the row, dropped)
+        cols_nJ = jnp.where(keep_nJ, end_n[:, None] + 1 + j_J[None], rows.seq.shape[1])
+        seq = rows.seq.at[jnp.arange(n)[:, None], cols_nJ].set(emit_nJ, mode="drop")
+        rows = Rows(cache, put(rows.seen, h[0]), put(rows.counts, h[1]), seq, draft_cache)
+        nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling)
+        lp = _logprobs_J(raw_nJV, emit_nJ) if logprobs else None
+        return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid_nK, axis=1, dtype=jnp.int32)), lp
+
+    if draft is not None:  # every running row has k drafts
+        return verify(rows, nxt)
+
+    def plain(rows: Rows, nxt: Next):
+        rows, nxt, token_n, lp = _decode(params, rows, nxt, active_n, rotation, flags=flags, logprobs=logprobs)
+        spread = lambda x: jnp.broadcast_to(x[:, None], (n, J) + x.shape[1:])
+        return rows, nxt, spread(token_n), (jnp.ones((n,), jnp.int32), jnp.zeros((n,), jnp.int32)), \
+            None if lp is None else tuple(spread(x) for x in lp)
+
+    top = min(MAX_TOP_LOGPROBS, params.config.vocab_size)
+    zero = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
+    lp = (zero((n, J), jnp.float32), zero((n, J, top), jnp.float32), zero((n, J, top))) if logprobs else None
+    out = (rows, nxt, zero((n, J)), (zero((n,)), zero((n,))), lp)
+    go = jnp.any(valid_nK[:, 0])
+    once = lambda body: lambda s: (body(*s[0][:2]), jnp.bool_(True))
+    out, _ = jax.lax.while_loop(lambda s: go & ~s[1], once(verify), (out, jnp.bool_(False)))
+    out, _ = jax.lax.while_loop(lambda s: ~go & ~s[1], once(plain), (out, jnp.bool_(False)))
+    return out
 
 
 def _logprobs_J(logits_nJV, token_nJ):
