@@ -249,14 +249,14 @@ def fake_device_engine(ms: float):
                 return rows, Next(tokens, nxt.index + 1, nxt.sampling), late(tokens), \
                     logprobs(len(tokens)) if logprobs_ else None
 
-            def prefill(params, rows, nxt, tokens_bW, start_b, at_b, sampling_b):
+            def prefill(params, rows, nxt, tokens_bW, start_b, at_b, sampling_b, draft=None):
                 first = np.asarray(tokens_bW)[:, -1].copy()
                 return rows, into(nxt, np.asarray(at_b), first), late(first), logprobs(len(first))
 
-            def chunk(params, stage, tokens_1C, start_1):
+            def chunk(params, stage, tokens_1C, start_1, draft=None):
                 return late(None)  # the staging cache: what a timed iteration waits for
 
-            def chunk_insert(params, rows, nxt, stage, tokens_1C, at, sampling_1):
+            def chunk_insert(params, rows, nxt, stage, tokens_1C, at, sampling_1, draft=None):
                 first = np.asarray(tokens_1C)[:, -1].copy()
                 return rows, into(nxt, np.reshape(at, (1,)), first), late(first), logprobs(1)
 
