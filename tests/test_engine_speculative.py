@@ -213,9 +213,11 @@ def test_a_speculative_step_updates_the_cache_in_place(params):
     cfg, B, S = params.config, 4, 128
     rows = batching.Rows(init_cache(cfg, B, S, jnp.float32), jnp.zeros((B, VOCAB), bool),
                          jnp.zeros((B, VOCAB), jnp.int32), jnp.zeros((B, S), jnp.int32))
-    nxt = batching.Next(np.zeros((B,), np.int32), np.zeros((B,), np.int32), batching._sampling_values([None] * B))
+    nxt = batching.Next(np.zeros((B,), np.int32), np.zeros((B,), np.int32), batching._sampling_values([None] * B),
+                        batching.Pause.fresh(B))
     program = jax.jit(batching._speculate, donate_argnums=(1,), static_argnames=("flags", "logprobs", "k", "proposer"))
-    hlo = program.lower(params, rows, nxt, np.zeros((1,), bool), rotation_table(cfg, S), flags=batching.EVERY,
+    hlo = program.lower(params, rows, nxt, np.zeros((1,), bool), rotation_table(cfg, S), np.zeros((4,), np.float32),
+                        flags=batching.EVERY,
                         logprobs=True, k=K, proposer=LOOKUP1).compile().as_text()
     shape = rf"f32\[{B},{cfg.num_kv_heads},{S},{cfg.head_dim}\]"
     assert re.search(rf"= {shape}\{{[^}}]*\}} dynamic-update-slice|= {shape}\{{[^}}]*\}} (fusion|scatter)", hlo)
@@ -317,6 +319,30 @@ def test_a_draft_models_seeded_sampling_is_generates(drafted, params):
     assert _run(engine, Request(prompt, 24, seed=5, ignore_eos=True, **settings)).tokens == expected
     for b in background:
         b.wait()
+
+
+def test_a_row_pauses_while_its_drafts_are_rejected(params):
+    """Without num_speculative a row whose rounds keep one token pauses for 4, 8, 16... tokens: a
+    draft the target never agrees with is checked a few times over 60 tokens, not every step (as
+    with k fixed), and the tokens are still generate's."""
+    import jax
+
+    stranger = jaxllm.init_params(params.config, jax.random.key(5), dtype=params.dtype, scale=0.3)
+    prompt = _prompt(random.Random(12), 10)
+    proposed = {}
+    for k in (None, K):
+        e = jaxllm.Engine(params, max_slots=MAX_SLOTS, max_context=MAX_CONTEXT, prefill_chunk=CHUNK,
+                          prefill_batches=(1, 2), decode_rows=DECODE_ROWS, speculative=stranger, num_speculative=k)
+        e.start()
+        try:
+            assert _run(e, Request(prompt, 60, ignore_eos=True)).tokens == _alone(params, prompt, 60)
+            s = _wait_idle(e)
+            proposed[k] = s["spec_proposed"]
+            assert s["spec_accepted"] <= 2 and s["compilations"] == s["warmup_compilations"]
+        finally:
+            e.shutdown(10)
+    assert proposed[K] >= 50 * K  # every step checked k drafts
+    assert 0 < proposed[None] <= 6 * K
 
 
 def test_a_draft_of_another_vocabulary_is_named_at_start(params):

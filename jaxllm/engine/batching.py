@@ -105,6 +105,30 @@ class Next:
     tokens: jax.Array  # int32 [B]: the row's last token, the next step's input
     index: jax.Array  # int32 [B]: the index of the token the next step samples
     sampling: SamplingParams  # [B]
+    # speculating: each row's pause policy (`_pause`), else None
+    pause: "Pause | None" = None
+
+
+@struct.dataclass
+class Pause:
+    """A row's speculation policy, as generate's per batch: the moving mean of the tokens its
+    verify rounds kept (< 0: the next round's figure replaces it), the token index from which it
+    drafts again, and its next pause in tokens (0: the shortest)."""
+
+    mean: jax.Array  # float32 [B]
+    resume: jax.Array  # int32 [B]
+    length: jax.Array  # int32 [B]
+
+    @staticmethod
+    def fresh(b: int) -> "Pause":
+        return Pause(jnp.full((b,), -1.0, jnp.float32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
+
+
+def _put_pause(nxt: Next, at_b) -> "Pause | None":
+    """The rows at_b's pause policy reset for a new request (None: the engine does not speculate)."""
+    if nxt.pause is None:
+        return None
+    return jax.tree.map(lambda x, y: _put_rows(x, at_b, y), nxt.pause, Pause.fresh(at_b.shape[0]))
 
 
 def _logprobs(logits_BV, token_B):
@@ -160,7 +184,7 @@ def _prefill_insert(params, rows: Rows, nxt: Next, tokens_bW, start_b, at_b, sam
     rows = Rows(cache, _put_rows(rows.seen, at_b, seen_bV), _put_rows(rows.counts, at_b, counts_bV), seq,
                 draft_cache)
     nxt = Next(_put_rows(nxt.tokens, at_b, first_b), _put_rows(nxt.index, at_b, jnp.ones((b,), jnp.int32)),
-               jax.tree.map(lambda x, y: _put_rows(x, at_b, y), nxt.sampling, sampling_b))
+               jax.tree.map(lambda x, y: _put_rows(x, at_b, y), nxt.sampling, sampling_b), _put_pause(nxt, at_b))
     return rows, nxt, first_b, logprobs
 
 
@@ -212,7 +236,7 @@ def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sam
     rows = Rows(insert(rows.cache, staged, at), _put_rows(rows.seen, at_1, seen_1V),
                 _put_rows(rows.counts, at_1, counts_1V), seq, draft_cache)
     nxt = Next(_put_rows(nxt.tokens, at_1, first_1), _put_rows(nxt.index, at_1, jnp.ones((1,), jnp.int32)),
-               jax.tree.map(lambda x, y: _put_rows(x, at_1, y), nxt.sampling, sampling_1))
+               jax.tree.map(lambda x, y: _put_rows(x, at_1, y), nxt.sampling, sampling_1), _put_pause(nxt, at_1))
     return rows, nxt, first_1, logprobs
 
 
@@ -235,11 +259,11 @@ def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samplin
     if seq is not None:  # the new token pending at the row's new end
         seq = seq.at[jnp.arange(n), cache.end[:n]].set(token_n, mode="drop")
     rows = Rows(cache, put(rows.seen, history[0]), put(rows.counts, history[1]), seq, rows.draft)
-    nxt = Next(put(nxt.tokens, token_n), put(nxt.index, first(nxt.index) + 1), nxt.sampling)
+    nxt = Next(put(nxt.tokens, token_n), put(nxt.index, first(nxt.index) + 1), nxt.sampling, nxt.pause)
     return rows, nxt, token_n, _logprobs(logits_nV, token_n) if logprobs else None
 
 
-def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *, flags: SamplingFlags,
+def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, knobs, draft=None, *, flags: SamplingFlags,
                logprobs: bool, k: int, proposer: speculative.Proposer):
     """A speculative round for each of the cache's first n rows (a decode bucket, as `_decode`):
     up to k drafts (prompt lookup: from the row's own tokens; a `draft` model: k of its steps,
@@ -249,8 +273,12 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *,
     Returns (rows, next, tokens [n, k + 1] of which a row's first counts_n are new, (counts_n,
     drafts_n checked), logprobs [n, k + 1] or None).
 
-    When no running row has a prompt-lookup draft the step is the plain one-token step
-    (`_decode`), which costs less than a verify step over k + 1 positions. The two are
+    Each row pauses as generate's batch does (`knobs`: float32 [4], the bar its moving mean of
+    kept tokens a round must reach, the mean's decay, the shortest and longest pause; a bar below
+    0 never pauses): a paused row has no draft, so a row's rounds depend on its own tokens alone.
+
+    When no running row has a draft the step is the plain one-token step (`_decode`), which costs
+    less than a verify step over k + 1 positions, and a draft model does not run. The two are
     `while_loop`s of zero or one trip, whose carries XLA aliases, as in generate's loop: a
     `lax.cond` between them copied every layer's cache around it (CPU HLO), which a server's
     cache cannot afford."""
@@ -263,34 +291,42 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *,
     token_n, index_n, sampling = first(nxt.tokens), first(nxt.index), jax.tree.map(first, nxt.sampling)
     history = (first(rows.seen), first(rows.counts))
     end_n = free.end  # the pending token's slot
+    pause = jax.tree.map(first, nxt.pause)
+    drafting_n = active_n & (index_n >= pause.resume)
     # A row's key by its token index, as a plain step's: its tokens do not depend on the batch
     keys_n = None if flags.greedy else speculative.round_keys(sampling.seed, index_n)
-    draft_cache, q_nKV = rows.draft, None
+    draft_cache = rows.draft
     if draft is None:
         d_nK, valid_nK = proposer.drafts(first(rows.seq), free.start, end_n, token_n, k)
+        valid_nK = valid_nK & drafting_n[:, None]
+        go = jnp.any(valid_nK[:, 0])
     else:
         dfree = release(draft_cache.replace(start=first(draft_cache.start), end=first(draft_cache.end)), ~active_n)
         draft_cache = draft_cache.replace(start=put(draft_cache.start, dfree.start), end=put(draft_cache.end, dfree.end))
-        ctx = speculative.Context(first(rows.seq), 0, token_n, end_n + 1, jnp.int32(0), history, sampling, flags,
-                                  jnp.zeros((n,), jnp.uint32) if keys_n is None else keys_n, k)
-        (d_nK, valid_nK, q_nKV), draft_cache = proposer.propose(draft, draft_cache, ctx, k)
-    valid_nK = valid_nK & active_n[:, None]
+        go = jnp.any(drafting_n)
     rows = rows.replace(cache=cache, draft=draft_cache)
 
     def verify(rows: Rows, nxt: Next):
-        raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d_nK], axis=1), rows.cache,
+        draft_cache, q_nKV = rows.draft, None
+        if draft is None:
+            d, valid = d_nK, valid_nK
+        else:
+            ctx = speculative.Context(first(rows.seq), 0, token_n, end_n + 1, jnp.int32(0), history, sampling, flags,
+                                      jnp.zeros((n,), jnp.uint32) if keys_n is None else keys_n, k)
+            (d, valid, q_nKV), draft_cache = proposer.propose(draft, draft_cache, ctx, k)
+            valid = valid & drafting_n[:, None]
+        raw_nJV, cache = step(params, jnp.concatenate([token_n[:, None], d], axis=1), rows.cache,
                               rotation=rotation, all_logits=True)
-        logits_nJV = speculative.target_choices(raw_nJV, history, d_nK, sampling, flags)
-        accepted_n, x_n = speculative.judge(logits_nJV, d_nK, valid_nK, q_nKV, sampling, flags, keys_n)
+        logits_nJV = speculative.target_choices(raw_nJV, history, d, sampling, flags)
+        accepted_n, x_n = speculative.judge(logits_nJV, d, valid, q_nKV, sampling, flags, keys_n)
         if not flags.greedy:  # a row without a draft draws as a plain step would, with its key
-            x_n = jnp.where(valid_nK[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
+            x_n = jnp.where(valid[:, 0], x_n, choose(raw_nJV[:, 0], history, sampling, index_n, flags))
         j_J = jnp.arange(J, dtype=jnp.int32)
-        emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d_nK, x_n[:, None]], axis=1),
+        emit_nJ = jnp.where(j_J[None] < accepted_n[:, None], jnp.concatenate([d, x_n[:, None]], axis=1),
                             x_n[:, None])
         kept_n = accepted_n + 1  # the pending token and the accepted drafts stay in the cache
         # the rows past the bucket roll back nothing (a [B] count: [n] broadcast over them, or failed)
         cache = rollback(cache, put(jnp.zeros_like(cache.end), speculative.rejected(J, kept_n)))
-        draft_cache = rows.draft
         if draft is not None:  # its slots past the target's end are stale: the next catch-up rewrites them
             draft_cache = proposer.commit(draft, draft_cache, cache.end[:n])
         keep_nJ = (j_J[None] < kept_n[:, None]) & active_n[:, None]
@@ -302,12 +338,10 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *,
         cols_nJ = jnp.where(keep_nJ, end_n[:, None] + 1 + j_J[None], rows.seq.shape[1])
         seq = rows.seq.at[jnp.arange(n)[:, None], cols_nJ].set(emit_nJ, mode="drop")
         rows = Rows(cache, put(rows.seen, h[0]), put(rows.counts, h[1]), seq, draft_cache)
-        nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling)
+        policy = jax.tree.map(put, nxt.pause, _pause(pause, valid[:, 0], kept_n, index_n, knobs))
+        nxt = Next(put(nxt.tokens, x_n), put(nxt.index, index_n + kept_n), nxt.sampling, policy)
         lp = _logprobs_J(raw_nJV, emit_nJ) if logprobs else None
-        return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid_nK, axis=1, dtype=jnp.int32)), lp
-
-    if draft is not None:  # every running row has k drafts
-        return verify(rows, nxt)
+        return rows, nxt, emit_nJ, (kept_n, jnp.sum(valid, axis=1, dtype=jnp.int32)), lp
 
     def plain(rows: Rows, nxt: Next):
         rows, nxt, token_n, lp = _decode(params, rows, nxt, active_n, rotation, flags=flags, logprobs=logprobs)
@@ -319,11 +353,24 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, draft=None, *,
     zero = lambda shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
     lp = (zero((n, J), jnp.float32), zero((n, J, top), jnp.float32), zero((n, J, top))) if logprobs else None
     out = (rows, nxt, zero((n, J)), (zero((n,)), zero((n,))), lp)
-    go = jnp.any(valid_nK[:, 0])
     once = lambda body: lambda s: (body(*s[0][:2]), jnp.bool_(True))
     out, _ = jax.lax.while_loop(lambda s: go & ~s[1], once(verify), (out, jnp.bool_(False)))
     out, _ = jax.lax.while_loop(lambda s: ~go & ~s[1], once(plain), (out, jnp.bool_(False)))
     return out
+
+
+def _pause(pause: Pause, drafted_n, kept_n, index_n, knobs) -> Pause:
+    """The rows' policy after a verify round in which drafted_n rows had drafts and kept kept_n
+    tokens: a row whose moving mean falls below the bar pauses for its pause length (at least the
+    shortest), which doubles, up to the longest, while the probe round after it fails."""
+    bar, decay, shortest, longest = knobs[0], knobs[1], knobs[2].astype(jnp.int32), knobs[3].astype(jnp.int32)
+    gain = kept_n.astype(jnp.float32)
+    mean = jnp.where(pause.mean < 0, gain, decay * pause.mean + (1 - decay) * gain)
+    pays = mean >= bar
+    length = jnp.maximum(pause.length, shortest)
+    return Pause(mean=jnp.where(drafted_n, jnp.where(pays, mean, -1.0), pause.mean),
+                 resume=jnp.where(drafted_n & ~pays, index_n + kept_n + length, pause.resume),
+                 length=jnp.where(drafted_n, jnp.where(pays, 0, jnp.minimum(2 * length, longest)), pause.length))
 
 
 def _logprobs_J(logits_nJV, token_nJ):
@@ -363,7 +410,8 @@ def _programs() -> dict:
 
 
 def speculative_spec(speculative_, num_speculative) -> speculative.Spec:
-    """The engine's checked `speculative` and `num_speculative`, k fixed: prompt lookup ("ngram"
+    """The engine's checked `speculative` and `num_speculative` (k drafts a round; None: the kind's
+    default, and rows pause while their rounds do not pay): prompt lookup ("ngram"
     or an NGram), or a draft model (its Params, or a function that loads them); the draft's own
     checks (vocabulary, sharding) come in `start`, once both models are loaded."""
     ngram = isinstance(speculative_, speculative.NGram)
@@ -374,7 +422,7 @@ def speculative_spec(speculative_, num_speculative) -> speculative.Spec:
         from jaxllm.engine.sampling import whole
         k = speculative.DEFAULT_K["draft"] if num_speculative is None else \
             whole("num_speculative", num_speculative, 1, 32)
-        return speculative.Spec(speculative.Draft(), k, adaptive=False)
+        return speculative.Spec(speculative.Draft(), k, adaptive=num_speculative is None)
     raise ValueError(f"the serving engine speculates by prompt lookup (speculative='ngram') or with a draft "
                      f"model (its Params), got {speculative_!r}")
 
@@ -442,7 +490,8 @@ class BatchingEngine:
         that loads them, called in `start` after `load`) by k (default 3) steps of the draft, which
         shares the target's vocabulary and keeps a cache of the same rows. Both in the decode
         buckets of at most `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets
-        decode plainly. Greedy rows get plain greedy's tokens; sampled rows the same law, the same
+        decode plainly. Without `num_speculative` a row whose rounds keep too few tokens for their
+        cost pauses, as generate's batch does (`SpecTuning`). Greedy rows get plain greedy's tokens; sampled rows the same law, the same
         tokens for a seed while the row's steps speculate
         (docs/decisions/serving.md#speculation-prompt-lookup-in-the-decode-step)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
@@ -520,7 +569,12 @@ class BatchingEngine:
                     raise ValueError("the serving engine runs a draft model with unsharded params only")
                 draft = self._draft if isinstance(self._draft, Params) else self._draft()
                 spec, self._draft = speculative.resolve(self._params, draft, self._spec.k)  # checks the pair
-                self._spec = spec._replace(tuning=self._spec.tuning)
+                self._spec = spec._replace(tuning=self._spec.tuning, adaptive=self._spec.adaptive)
+            self._knobs = None
+            if self._spec is not None:  # `_pause`'s bar: a round must return its cost (never, with k fixed)
+                t, spec = self._spec.tuning, self._spec
+                bar = t.verify_cost + spec.proposer.step_cost * spec.k if spec.adaptive else -1.0
+                self._knobs = np.array([bar, t.decay, t.min_pause, t.max_pause], np.float32)
             cfg = self._params.config
             context = cfg.max_position_embeddings
             self.max_context = min(self.max_context or context, context)
@@ -614,7 +668,7 @@ class BatchingEngine:
         self._rows = Rows(init_cache(p.config, B, self._length, p.dtype, kv_dtype=self._kv_dtype),
                           jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32), seq(B))
         self._next = jax.device_put(Next(np.zeros((B,), np.int32), np.zeros((B,), np.int32),
-                                         _sampling_values([None] * B)))
+                                         _sampling_values([None] * B), Pause.fresh(B) if self._spec else None))
         self._stage = Rows(init_cache(p.config, 1, self._length, p.dtype, kv_dtype=self._kv_dtype),
                            jnp.zeros((1, V), bool), jnp.zeros((1, 0), jnp.int32), seq(1))
         d = self._draft
@@ -679,7 +733,8 @@ class BatchingEngine:
                         flags=flags, logprobs=logprobs)
                     if n in self._spec_rows:
                         self._rows, self._next, *_ = self._speculate_fn(
-                            self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation, self._draft,
+                            self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation, self._knobs,
+                            self._draft,
                             flags=flags, logprobs=logprobs, k=self._spec.k, proposer=self._spec.proposer)
         jax.block_until_ready(self._rows)
 
@@ -795,7 +850,7 @@ class BatchingEngine:
             owners = [o if a else None for o, a in zip(self._owner, active)]
             if n in self._spec_rows:
                 self._rows, self._next, tokens, counts, lp = self._speculate_fn(
-                    self._params, self._rows, self._next, active, self._rotation, self._draft, flags=flags,
+                    self._params, self._rows, self._next, active, self._rotation, self._knobs, self._draft, flags=flags,
                     logprobs=logprobs,
                     k=self._spec.k, proposer=self._spec.proposer)
                 self._pending.append(_Pending(owners, tokens, lp, counts))
