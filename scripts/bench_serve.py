@@ -3,6 +3,8 @@
 
     python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 1000 --rate inf
     python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 1000 --rate 4
+    python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 200 \
+        --rate 4,8,12,16 --mode http              # a line a rate, one engine's warm-up
     python scripts/bench_serve.py --preset tiny --dtype float32 --requests 8 --max-slots 4 --max-context 256 \\
         --input-len 8,64 --output-len 8,32      # a CPU smoke run
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
@@ -75,11 +78,11 @@ def _pair(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text}")
-    return value
+def _rates(text: str) -> tuple[float, ...]:
+    values = tuple(float(part) for part in text.split(","))
+    if not all(value > 0 for value in values):
+        raise argparse.ArgumentTypeError(f"must be rates > 0 (inf: all at once), got {text}")
+    return values
 
 
 def parse_args(argv):
@@ -94,7 +97,9 @@ def parse_args(argv):
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--requests", type=int, default=100)
-    p.add_argument("--rate", type=_rate, default=math.inf, help="requests per second, Poisson (default: inf)")
+    p.add_argument("--rate", type=_rates, default=(math.inf,), metavar="R[,R...]",
+                   help="requests per second, Poisson; a comma list runs the engine and http modes at "
+                        "each rate in turn on one engine, static once (default: inf)")
     p.add_argument("--input-len", type=_pair, default=(32, 512), metavar="LOW,HIGH")
     p.add_argument("--output-len", type=_pair, default=(32, 512), metavar="LOW,HIGH")
     p.add_argument("--seed", type=int, default=0)
@@ -136,10 +141,10 @@ def parse_args(argv):
     return args
 
 
-def workload(args, vocab: int) -> list[dict]:
+def workload(args, vocab: int, rate: float) -> list[dict]:
     """The seeded requests: prompt ids, output length, arrival time (s from the start)."""
     rng = np.random.default_rng(args.seed)
-    gaps = np.zeros(args.requests) if math.isinf(args.rate) else rng.exponential(1 / args.rate, args.requests)
+    gaps = np.zeros(args.requests) if math.isinf(rate) else rng.exponential(1 / rate, args.requests)
     arrivals = np.cumsum(gaps) - gaps[0]
     jobs = []
     for i in range(args.requests):
@@ -394,7 +399,10 @@ def http_client(port: int, jobs, timeout: float):
     return asyncio.run(client())
 
 
-def run_http(engine, jobs, vocab: int, timeout: float):
+@contextlib.contextmanager
+def http_server(engine, vocab: int):
+    """The port of `jaxllm serve`'s app on uvicorn over `engine` (started), until the block ends
+    (which shuts the engine down)."""
     import uvicorn
 
     _raise_open_files()
@@ -414,16 +422,20 @@ def run_http(engine, jobs, vocab: int, timeout: float):
             raise RuntimeError("the HTTP server did not start")
         time.sleep(0.05)
 
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def run_http(port: int, jobs, timeout: float):
     # The client runs in a process of its own, as a user's would: parsing every stream's chunks
     # here would take the interpreter lock from the engine thread and the server.
     import concurrent.futures
     import multiprocessing
-    try:
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(http_client, port, jobs, timeout).result()
-    finally:
-        server.should_exit = True
-        thread.join(60)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(http_client, port, jobs, timeout).result()
 
 
 def run_static(params, jobs, batch: int):
@@ -484,11 +496,10 @@ def main(argv=None) -> int:
     else:
         params = presets.random_params(presets.get_config(args.preset), seed=args.seed, dtype=jax.numpy.dtype(dtype))
     cfg = params.config
-    jobs = workload(args, cfg.vocab_size)
     label = dict(preset=None if args.model else args.preset, model=args.model, device=str(jax.devices()[0]),
                  dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
                  prefill_chunk=args.prefill_chunk, requests=args.requests,
-                 rate=None if math.isinf(args.rate) else args.rate, input_len=list(args.input_len),
+                 input_len=list(args.input_len),
                  output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
                  speculate=args.speculate or args.draft_model or args.draft_preset,
                  num_speculative=args.num_speculative)
@@ -509,20 +520,9 @@ def main(argv=None) -> int:
         engine.start()
         label["warmup_s"] = round(time.perf_counter() - started, 2)
         log(f"engine ready in {label['warmup_s']} s, {engine.stats()['compilations']} compilations")
-    for mode in args.modes:
-        log(f"{mode}: {len(jobs)} requests")
-        before = engine.stats() if engine else None
-        cpu = time.process_time()
-        if mode == "engine":
-            records, duration, errors = run_engine(engine, jobs, args.timeout)
-        elif mode == "http":
-            records, duration, errors = run_http(engine, jobs, cfg.vocab_size, args.timeout)
-        else:
-            if engine is not None:  # its cache goes before generate's batches need the memory
-                engine.shutdown(10)
-                engine = None
-                gc.collect()
-            records, duration, errors = run_static(params, jobs, args.max_slots)
+    def emit(mode, rate, jobs, result, before, cpu):
+        records, duration, errors = result
+        label["rate"] = None if math.isinf(rate) else rate
         line = dict(mode=mode, **label, **summarize(jobs, records, duration, streamed=mode != "static"))
         if mode != "static":
             line.update(engine_fields(before, engine.stats(), time.process_time() - cpu, args.fake_device))
@@ -530,6 +530,30 @@ def main(argv=None) -> int:
             line["http_impl"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
         line["errors"] = errors[:5] + ([f"... {len(errors) - 5} more"] if len(errors) > 5 else [])
         print(json.dumps(line), flush=True)
+
+    def each_rate(mode, run):
+        for rate in args.rate:
+            jobs = workload(args, cfg.vocab_size, rate)
+            log(f"{mode}: {len(jobs)} requests, rate {rate}")
+            before, cpu = engine.stats(), time.process_time()
+            emit(mode, rate, jobs, run(jobs), before, cpu)
+
+    # every rate in engine mode, then in http mode (one server), then static once (on the first
+    # rate's requests: static mode ignores arrival times)
+    if "engine" in args.modes:
+        each_rate("engine", lambda jobs: run_engine(engine, jobs, args.timeout))
+    if "http" in args.modes:
+        with http_server(engine, cfg.vocab_size) as port:  # which shuts the engine down at its end
+            each_rate("http", lambda jobs: run_http(port, jobs, args.timeout))
+        engine = None
+    if "static" in args.modes:
+        if engine is not None:  # its cache goes before generate's batches need the memory
+            engine.shutdown(10)
+            engine = None
+            gc.collect()
+        jobs = workload(args, cfg.vocab_size, args.rate[0])
+        log(f"static: {len(jobs)} requests")
+        emit("static", args.rate[0], jobs, run_static(params, jobs, args.max_slots), None, None)
     if engine is not None:
         engine.shutdown(10)
     return 0

@@ -36,14 +36,16 @@ def test_bench_serve_runs_every_mode_on_the_same_requests():
 
 @pytest.mark.slow
 def test_bench_serve_fake_device_runs_the_host_side_alone():
+    """--fake-device, at two rates in one run (a line each rate and mode, the same requests)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "12",
          "--max-slots", "4", "--max-context", "128", "--prefill-chunk", "32", "--input-len", "4,48",
-         "--output-len", "2,16", "--fake-device", "1", "--mode", "engine,http"],
+         "--output-len", "2,16", "--fake-device", "1", "--mode", "engine,http", "--rate", "400,800"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [line["mode"] for line in lines] == ["engine", "http"]
+    assert [(line["mode"], line["rate"]) for line in lines] == [("engine", 400), ("engine", 800), ("http", 400),
+                                                               ("http", 800)]
     for line in lines:
         assert line["errors"] == [] and line["fake_device_ms"] == 1
         assert line["output_tokens"] == lines[0]["output_tokens"] > 12
