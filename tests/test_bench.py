@@ -469,7 +469,9 @@ def test_random_params_allocate_every_buffer_before_drawing(quant_mode, monkeypa
 def test_bench_floor_times_each_runs_reads_against_its_step():
     """--measure-floor: each run's line carries the time of reading its decode bytes as one array,
     the rate that gives and its share of the measured step; the probe names the bytes it read."""
-    proc = _bench("--preset", "tiny", "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "16",
+    # 64 new tokens: a decode long enough that generate outlasts its prefill on a loaded machine
+    # (with 16 it once did not, and the step's time was null)
+    proc = _bench("--preset", "tiny", "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "64",
                   "--repeat", "1", "--measure-floor")
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -479,7 +481,7 @@ def test_bench_floor_times_each_runs_reads_against_its_step():
         assert r["floor_tokens_per_s"] == pytest.approx(r["batch"] / r["floor_ms"] * 1e3)
         assert r["pct_of_floor"] == pytest.approx(100 * r["floor_ms"] / r["decode_ms_per_step"])
         assert r["floor_sm_mhz"] is None  # no NVML on a CPU
-        t = roofline.analyze(presets.PRESETS["tiny"], r["batch"], 8 + 16 // 2)["totals"]
+        t = roofline.analyze(presets.PRESETS["tiny"], r["batch"], 8 + 64 // 2)["totals"]
         gb = (t["weight_bytes"] + t["kv_read_bytes"]) / 1e9
         assert f"bench: floor of batch {r['batch']}, prompt 8: its {gb:.3f} GB read in" in proc.stderr
 
