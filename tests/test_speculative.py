@@ -413,6 +413,9 @@ def test_cli_speculative_answer_equals_the_plain_one_and_reports(tiny_model):
     assert plain.returncode == 0 and spec_run.returncode == 0, spec_run.stderr
     assert spec_run.stdout == plain.stdout
     assert "tokens per target step" in spec_run.stderr and "histogram" in spec_run.stderr
+    drafted = run_cli(*common, "--draft-model", str(tiny_model), "--num-speculative", "3", "--verbose")
+    assert drafted.returncode == 0 and drafted.stdout == plain.stdout, drafted.stderr
+    assert "drafts accepted (100.0%)" in drafted.stderr  # the model as its own draft
     bad = run_cli(*common, "--num-speculative", "3")
     assert bad.returncode == 2 and "--num-speculative needs" in bad.stderr
 

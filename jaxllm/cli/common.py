@@ -137,6 +137,14 @@ def load_model(args: argparse.Namespace):
     return params, tok
 
 
+def load_draft(args: argparse.Namespace):
+    """The --draft-model's params in --dtype / --quant, on one device (announcing a conversion as
+    `load_model` does)."""
+    path = Path(args.draft_model)
+    _note_conversion(path, args.dtype)
+    return jaxllm.load(path, dtype=args.dtype, quant=args.quant)
+
+
 def mesh_of(tp: int):
     """None for one device (the unsharded fast path), else a "tp" mesh over the first tp devices."""
     if tp == 1:

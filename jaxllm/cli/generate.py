@@ -11,7 +11,7 @@ from typing import Iterator
 
 import jaxllm
 from jaxllm.cli.common import (UsageError, add_model_args, add_sampling_args, add_system_arg, add_trace_arg,
-                               load_model, sampling_kwargs)
+                               load_draft, load_model, sampling_kwargs)
 from jaxllm.tools.trace import trace
 
 
@@ -77,7 +77,7 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         path = Path(args.draft_model)
         if not path.exists():
             raise UsageError(f"no draft model at {args.draft_model}")
-        draft = jaxllm.load(path, dtype=args.dtype, quant=args.quant)
+        draft = load_draft(args)
         return dict(speculative=draft, num_speculative=args.num_speculative)
     if args.speculate:
         return dict(speculative=args.speculate, num_speculative=args.num_speculative)

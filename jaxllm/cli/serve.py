@@ -67,7 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import jaxllm
-    from jaxllm.cli.common import UsageError, _model_path, load_model
+    from jaxllm.cli.common import UsageError, _model_path, load_draft, load_model
     from jaxllm.io import paths
     import jax
 
@@ -99,14 +99,14 @@ def run_serve(args: argparse.Namespace) -> int:
     def load():  # on the engine's start thread: the server answers /health with 503 meanwhile
         return load_model(args)[0]
 
-    def load_draft():  # after load(), on the same thread
-        return jaxllm.load(args.draft_model, dtype=args.dtype, quant=args.quant)
+    def draft():  # after load(), on the same thread
+        return load_draft(args)
 
     # the model's stop ids join these when it is loaded (cli.stop_ids)
     engine = BatchingEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_slots=max_slots,
                             max_context=args.max_context, max_queued=args.max_queued,
                             prefill_chunk=args.prefill_chunk,
-                            speculative=load_draft if args.draft_model else args.speculate,
+                            speculative=draft if args.draft_model else args.speculate,
                             num_speculative=args.num_speculative)
     failure: list[str] = []
 
