@@ -58,9 +58,10 @@ def test_bench_serve_fake_device_runs_the_host_side_alone():
 def test_bench_serve_speculates_with_a_draft_preset():
     """--draft-preset: the engine speculates with a random draft, and the line says so."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "4",
-         "--max-slots", "2", "--max-context", "64", "--prefill-chunk", "32", "--input-len", "4,24",
-         "--output-len", "4,12", "--draft-preset", "tiny", "--num-speculative", "2", "--mode", "engine"],
+        # one slot, one prompt width, no chunks: the fewest programs to compile
+        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "3",
+         "--max-slots", "1", "--max-context", "16", "--prefill-chunk", "16", "--input-len", "4,8",
+         "--output-len", "4,8", "--draft-preset", "tiny", "--num-speculative", "2", "--mode", "engine"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [json.loads(line) for line in out.stdout.splitlines()]
