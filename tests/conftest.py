@@ -52,6 +52,7 @@ def llama(tiny) -> TinyModel:
 
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a machine without it still runs the suite
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker a core, at most 4 (each holds JAX, torch and its models); none for
     `pytest -m gpu`, whose tests share one GPU."""
