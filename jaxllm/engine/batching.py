@@ -240,6 +240,17 @@ def _chunk_insert(params, rows: Rows, nxt: Next, stage: Rows, tokens_1C, at, sam
     return rows, nxt, first_1, logprobs
 
 
+def _release_free(cache: KVCache, active_n) -> tuple[KVCache, KVCache]:
+    """(`cache` with the free rows among its first n = len(active_n) emptied (`release`), those n
+    rows' bounds as a cache whose start and end are [n])."""
+    n = active_n.shape[0]
+    if n == cache.batch:
+        cache = release(cache, ~active_n)
+        return cache, cache
+    free = release(cache.replace(start=cache.start[:n], end=cache.end[:n]), ~active_n)
+    return cache.replace(start=cache.start.at[:n].set(free.start), end=cache.end.at[:n].set(free.end)), free
+
+
 def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: SamplingFlags, logprobs: bool):
     """One token for each of the cache's first n rows, n = len(active_n) (a decode bucket: the
     rows past it are neither read nor written); free rows among them are emptied first (they write
@@ -247,9 +258,7 @@ def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samplin
     B, n = rows.cache.batch, active_n.shape[0]
     first = (lambda x: x) if n == B else (lambda x: x[:n])
     put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
-    cache = rows.cache
-    free = release(cache.replace(start=first(cache.start), end=first(cache.end)), ~active_n)
-    cache = cache.replace(start=put(cache.start, free.start), end=put(cache.end, free.end))
+    cache, _ = _release_free(rows.cache, active_n)
     logits_nV, cache = step(params, first(nxt.tokens)[:, None], cache, rotation=rotation)
     history = (first(rows.seen), first(rows.counts))
     token_n = choose(logits_nV, history, jax.tree.map(first, nxt.sampling), first(nxt.index), flags)
@@ -285,9 +294,7 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, knobs, draft=N
     B, n, J = rows.cache.batch, active_n.shape[0], k + 1
     first = (lambda x: x) if n == B else (lambda x: x[:n])
     put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
-    cache = rows.cache
-    free = release(cache.replace(start=first(cache.start), end=first(cache.end)), ~active_n)
-    cache = cache.replace(start=put(cache.start, free.start), end=put(cache.end, free.end))
+    cache, free = _release_free(rows.cache, active_n)
     token_n, index_n, sampling = first(nxt.tokens), first(nxt.index), jax.tree.map(first, nxt.sampling)
     history = (first(rows.seen), first(rows.counts))
     end_n = free.end  # the pending token's slot
@@ -301,8 +308,7 @@ def _speculate(params, rows: Rows, nxt: Next, active_n, rotation, knobs, draft=N
         valid_nK = valid_nK & drafting_n[:, None]
         go = jnp.any(valid_nK[:, 0])
     else:
-        dfree = release(draft_cache.replace(start=first(draft_cache.start), end=first(draft_cache.end)), ~active_n)
-        draft_cache = draft_cache.replace(start=put(draft_cache.start, dfree.start), end=put(draft_cache.end, dfree.end))
+        draft_cache, _ = _release_free(draft_cache, active_n)
         go = jnp.any(drafting_n)
     rows = rows.replace(cache=cache, draft=draft_cache)
 
@@ -419,10 +425,8 @@ def speculative_spec(speculative_, num_speculative) -> speculative.Spec:
         spec, _ = speculative.resolve(None, "ngram", num_speculative)
         return spec._replace(proposer=speculative_) if ngram else spec
     if isinstance(speculative_, Params) or callable(speculative_) and not isinstance(speculative_, type):
-        from jaxllm.engine.sampling import whole
-        k = speculative.DEFAULT_K["draft"] if num_speculative is None else \
-            whole("num_speculative", num_speculative, 1, 32)
-        return speculative.Spec(speculative.Draft(), k, adaptive=num_speculative is None)
+        return speculative.Spec(speculative.Draft(), speculative.drafts_a_round("draft", num_speculative),
+                                adaptive=num_speculative is None)
     raise ValueError(f"the serving engine speculates by prompt lookup (speculative='ngram') or with a draft "
                      f"model (its Params), got {speculative_!r}")
 
@@ -491,8 +495,8 @@ class BatchingEngine:
         shares the target's vocabulary and keeps a cache of the same rows. Both in the decode
         buckets of at most `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets
         decode plainly. Without `num_speculative` a row whose rounds keep too few tokens for their
-        cost pauses, as generate's batch does (`SpecTuning`). Greedy rows get plain greedy's tokens; sampled rows the same law, the same
-        tokens for a seed while the row's steps speculate
+        cost pauses, as generate's batch does (`SpecTuning`). Greedy rows get plain greedy's
+        tokens; sampled rows the same law, the same tokens for a seed while the row's steps speculate
         (docs/decisions/serving.md#speculation-prompt-lookup-in-the-decode-step)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -611,9 +611,14 @@ def speculates(spec: Spec, rows: int) -> bool:
     return not spec.adaptive or rows <= spec.tuning.max_batch
 
 
+def drafts_a_round(kind: str, num_speculative) -> int:
+    """k: `num_speculative` checked, or the kind's ("ngram", "draft") default where it is None."""
+    from jaxllm.engine.sampling import whole
+    return DEFAULT_K[kind] if num_speculative is None else whole("num_speculative", num_speculative, 1, 32)
+
+
 def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning: SpecTuning | None = None):
     """(Spec, aux) of generate's `speculative` / `num_speculative` arguments, checked."""
-    from jaxllm.engine.sampling import whole
     if isinstance(speculative, str):
         if speculative != "ngram":
             raise ValueError(f"speculative must be 'ngram', a draft model's Params or a Proposer, "
@@ -634,7 +639,7 @@ def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning
         raise TypeError(f"speculative must be 'ngram', a draft model's Params or a Proposer, got "
                         f"{type(speculative).__name__}")
     adaptive = num_speculative is None
-    k = DEFAULT_K[kind] if adaptive else whole("num_speculative", num_speculative, 1, 32)
+    k = drafts_a_round(kind, num_speculative)
     if synthetic is not None and not 0 <= float(synthetic) <= 1:
         raise ValueError(f"synthetic acceptance must be in [0, 1], got {synthetic}")
     return Spec(proposer, k, adaptive, None if synthetic is None else float(synthetic),
