@@ -11,15 +11,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _bench_serve(*args) -> list[dict]:
+    """bench_serve's JSON lines for `args` on the CPU (the run must succeed)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve.py"), *args], capture_output=True,
+                         text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
 @pytest.mark.slow
 def test_bench_serve_runs_every_mode_on_the_same_requests():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "6",
-         "--max-slots", "4", "--max-context", "128", "--prefill-chunk", "32", "--input-len", "4,48",
-         "--output-len", "2,16", "--rate", "50"],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    lines = _bench_serve("--preset", "tiny", "--requests", "6", "--max-slots", "4", "--max-context", "128",
+                         "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--rate", "50")
     assert [line["mode"] for line in lines] == ["engine", "http", "static"]
     tokens = {line["output_tokens"] for line in lines}
     assert len(tokens) == 1 and tokens.pop() > 6  # every mode made every request's tokens
@@ -37,13 +40,9 @@ def test_bench_serve_runs_every_mode_on_the_same_requests():
 @pytest.mark.slow
 def test_bench_serve_fake_device_runs_the_host_side_alone():
     """--fake-device, at two rates in one run (a line each rate and mode, the same requests)."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "12",
-         "--max-slots", "4", "--max-context", "128", "--prefill-chunk", "32", "--input-len", "4,48",
-         "--output-len", "2,16", "--fake-device", "1", "--mode", "engine,http", "--rate", "400,800"],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    lines = _bench_serve("--preset", "tiny", "--requests", "12", "--max-slots", "4", "--max-context", "128",
+                         "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--fake-device", "1",
+                         "--mode", "engine,http", "--rate", "400,800")
     assert [(line["mode"], line["rate"]) for line in lines] == [("engine", 400), ("engine", 800), ("http", 400),
                                                                ("http", 800)]
     for line in lines:
@@ -57,14 +56,10 @@ def test_bench_serve_fake_device_runs_the_host_side_alone():
 @pytest.mark.slow
 def test_bench_serve_speculates_with_a_draft_preset():
     """--draft-preset: the engine speculates with a random draft, and the line says so."""
-    out = subprocess.run(
-        # one slot, one prompt width, no chunks: the fewest programs to compile
-        [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--preset", "tiny", "--requests", "3",
-         "--max-slots", "1", "--max-context", "16", "--prefill-chunk", "16", "--input-len", "4,8",
-         "--output-len", "4,8", "--draft-preset", "tiny", "--num-speculative", "2", "--mode", "engine"],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (line,) = [json.loads(line) for line in out.stdout.splitlines()]
+    # one slot, one prompt width, no chunks: the fewest programs to compile
+    (line,) = _bench_serve("--preset", "tiny", "--requests", "3", "--max-slots", "1", "--max-context", "16",
+                           "--prefill-chunk", "16", "--input-len", "4,8", "--output-len", "4,8",
+                           "--draft-preset", "tiny", "--num-speculative", "2", "--mode", "engine")
     assert line["errors"] == [] and line["speculate"] == "tiny" and line["num_speculative"] == 2
     assert line["spec_steps"] > 0 and line["spec_proposed"] >= line["spec_accepted"] >= 0
     assert line["compilations_during_run"] == 0
