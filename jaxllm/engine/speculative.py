@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.checks import whole
 from jaxllm.engine.sampling import SamplingFlags, SamplingParams, argmax, choose, filter_logits, penalize, \
     penalty_history, record, row_keys
 from jaxllm.env import env_ints, env_number
@@ -613,7 +614,6 @@ def speculates(spec: Spec, rows: int) -> bool:
 
 def drafts_a_round(kind: str, num_speculative) -> int:
     """k: `num_speculative` checked, or the kind's ("ngram", "draft") default where it is None."""
-    from jaxllm.engine.sampling import whole
     return DEFAULT_K[kind] if num_speculative is None else whole("num_speculative", num_speculative, 1, 32)
 
 
