@@ -83,7 +83,7 @@ prompts (the baseline of the same run), then the speculative calls, which the ti
 describe; the line also has speculate, num_speculative (null: adaptive), synthetic_acceptance,
 verify_cost (the tuning adaptive k pauses by), spec_default_on (whether generate's default would
 speculate at this batch: bench speculates at every batch, the default only up to
-SpecTuning.max_batch rows), plain_generate_s, plain_tokens, plain_tokens_per_s, spec_tokens,
+SpecTuning.batch_limit rows: 8 with prompt lookup, 64 with a draft model), plain_generate_s, plain_tokens, plain_tokens_per_s, spec_tokens,
 spec_tokens_per_s, speedup (spec_tokens_per_s over plain_tokens_per_s), rows_same_as_plain (the
 share of rows whose answer is plain generate's, token for token: greedy speculation makes the same
 tokens but for rounding, the verify step's sums being in another order) and spec (the SpecStats:
@@ -1031,11 +1031,12 @@ def main(argv=None) -> int:
                                                  quant=args.quant))
     if args.draft is not None:
         # Speculation is timed at every batch; spec_default_on says whether generate's default
-        # (which decodes plainly above SpecTuning.max_batch rows) would speculate there.
+        # (which decodes plainly above SpecTuning.batch_limit rows) would speculate there.
         import dataclasses
         from jaxllm.engine import speculative as spec_mod
-        args.spec_max_batch = spec_mod.current().max_batch
-        spec_mod.TUNING = dataclasses.replace(spec_mod.current(), max_batch=MAX_SIZE)
+        args.spec_max_batch = spec_mod.current().batch_limit(
+            spec_mod.NGram() if isinstance(args.draft, str) else spec_mod.Draft())
+        spec_mod.TUNING = dataclasses.replace(spec_mod.current(), max_batch=MAX_SIZE, max_batch_draft=MAX_SIZE)
     # Each run is a new shape on purpose: jaxllm's warning about recompiling is noise here.
     warnings.filterwarnings("ignore", message="jaxllm: recompiling")
     results, failed = [], False

@@ -62,6 +62,16 @@ def test_greedy_equals_plain_greedy(tiny, drafts):
     assert out.stats.histogram[0] > 0  # a different random draft: many rejections
 
 
+def test_the_drafts_cache_is_whole_blocks_for_the_attention_kernel(drafts):
+    """The draft's cache is the target's plus a catch-up chunk: not rounded, it missed the decode
+    attention kernel's multiple of 16, and every draft step on a GPU took XLA's attention."""
+    from jaxllm.engine.generate import spec_cache_length
+    length = spec_cache_length(16, 32, 3)
+    cache = spec.Draft().init(drafts("llama"), jnp.asarray([random_tokens(16).tolist()]), jnp.zeros((1,), jnp.int32),
+                              length, False)
+    assert cache.length % spec.SPEC_CACHE_MULTIPLE == 0 and cache.length >= length + spec.Draft.chunk
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"llama"}))  # mistral, qwen2_swa: sliding windows
 def test_greedy_equals_plain_greedy_every_family(tiny, drafts, name):
@@ -131,13 +141,18 @@ def test_adaptive_k_shortens_a_costly_poor_drafts_run(tiny, drafts):
 
 
 def test_default_decodes_plainly_above_the_batch_limit(tiny, monkeypatch):
-    _tuned(monkeypatch, max_batch=2)
+    """Prompt lookup's limit is max_batch rows, a draft model's max_batch_draft."""
+    _tuned(monkeypatch, max_batch=2, max_batch_draft=2)
     params = tiny("llama").params
     prompts = _prompts()
     plain = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[])
-    out = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=params)
-    _same(out, plain)
-    assert out.stats.off_at_batch and out.stats.verify_rounds == 0 and out.stats.tokens_per_step == 1.0
+    for proposer in (params, LOOKUP1):
+        out = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=proposer)
+        _same(out, plain)
+        assert out.stats.off_at_batch and out.stats.verify_rounds == 0 and out.stats.tokens_per_step == 1.0
+    _tuned(monkeypatch, max_batch=2, max_batch_draft=3)
+    assert not jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[],
+                               speculative=params).stats.off_at_batch
     fixed = jaxllm.generate(params, prompts, max_new_tokens=16, eos_token_ids=[], speculative=params,
                             num_speculative=3)  # a fixed k speculates at any batch
     _same(fixed, plain)
@@ -331,7 +346,7 @@ def test_sampled_law_is_the_targets(law_setup):
 def test_sampled_law_with_adaptive_pauses_is_the_targets(law_setup, monkeypatch):
     """Adaptive k pausing after each verify round that does not return all its drafts: the first
     L tokens mix verify rounds and plain steps, and keep the target's law."""
-    _tuned(monkeypatch, verify_cost=K + 0.9, min_pause=1, max_pause=1, max_batch=6000)
+    _tuned(monkeypatch, verify_cost=K + 0.9, min_pause=1, max_pause=1, max_batch_draft=6000)
     monkeypatch.setitem(spec.DEFAULT_K, "draft", K)
     params, draft, prompt, law = law_setup
     tokens, stats = _sampled(params, draft, prompt, 6000, k=None)

@@ -10,6 +10,7 @@ import pytest
 
 import jaxllm
 from jaxllm import kernels
+from jaxllm.engine.speculative import Draft
 from jaxllm.kernels.decode_attention import supports as attention_supports
 from jaxllm.model import plan
 from jaxllm.model import transformer as model
@@ -40,11 +41,12 @@ def test_plan_takes_the_few_token_kernels_for_2_to_9_tokens_on_a_warm_cache(monk
     assert plan.step_plan(params, 4, 5, cache_length=64, kv_int8=True).attention is None
     assert plan.step_plan(params, 4, 5).attention is None  # no cache length: XLA's attention
     assert _families(plan.step_plan(quantize_params(params), 4, 5, cache_length=64)) == {None}
-    # below verify_rows_min tokens in all, XLA's matrices (the attention kernel still)
+    # from verify_rows_min (2) tokens in all, the rows kernels; below it XLA's matrices (the
+    # attention kernel still)
+    assert _families(plan.step_plan(params, 1, 2, cache_length=64)) == {"rows"}
+    tune(monkeypatch, verify_rows_min=6)
     few = plan.step_plan(params, 1, 5, cache_length=64)
     assert _families(few) == {None} and few.attention == "interpret"
-    tune(monkeypatch, verify_rows_min=5)
-    assert _families(plan.step_plan(params, 1, 5, cache_length=64)) == {"rows"}
     tune(monkeypatch, verify_tokens=0)  # the switch off: XLA's prefill forms, as before
     off = plan.step_plan(params, 4, 5, cache_length=64)
     assert off.attention is None and _families(off) == {None}
@@ -141,5 +143,7 @@ def test_speculative_greedy_through_the_kernels_equals_plain_greedy(monkeypatch,
         # the target as its own draft verifies every round; prompt lookup needs its two-token
         # matches, which a tiny random model's output may never give after the prompt
         assert out.stats.verify_rounds > 0 or proposer == "ngram"
-    assert attended and set(attended) == {k + 1}
+    # the verify steps' k + 1 tokens, and the draft's catch-up chunks (its cache is in whole
+    # blocks, so they take the kernel too)
+    assert attended and set(attended) == {k + 1, Draft.chunk}
     jax.clear_caches()

@@ -22,7 +22,7 @@ of S slots each (S = max_context plus the left padding a prompt bucket adds), on
   step n + 1 before it reads step n's tokens (one device_get), so the host's work for step n (stop
   ids, events, the server's detokenizing) overlaps the device's step n + 1; a row that finished
   at step n is computed once more and ignored;
-- with `speculative="ngram"` or a draft model, a decode bucket of at most `SpecTuning.max_batch`
+- with `speculative="ngram"` or a draft model, a decode bucket of at most `SpecTuning.batch_limit`
   rows runs a speculative round instead (`_speculate`): each row's tokens live on the device
   beside its cache (and the draft's cache), so the drafts are made inside the step, and a step in
   which no row has a draft is a plain one; a row keeps 1 to k + 1 tokens a step, which its
@@ -493,7 +493,7 @@ class BatchingEngine:
         `num_speculative` drafts a row a step (default 7); a draft model's Params (or a function
         that loads them, called in `start` after `load`) by k (default 3) steps of the draft, which
         shares the target's vocabulary and keeps a cache of the same rows. Both in the decode
-        buckets of at most `SpecTuning.max_batch` rows (JAXLLM_SPEC_MAX_BATCH); larger buckets
+        buckets of at most `SpecTuning.batch_limit` rows (JAXLLM_SPEC_MAX_BATCH, _DRAFT); larger buckets
         decode plainly. Without `num_speculative` a row whose rounds keep too few tokens for their
         cost pauses, as generate's batch does (`SpecTuning`). Greedy rows get plain greedy's
         tokens; sampled rows the same law, the same tokens for a seed while the row's steps speculate
@@ -527,7 +527,7 @@ class BatchingEngine:
         self._decode_rows = tuple(sorted(set(n for n in decode_rows if n < max_slots) | {max_slots}))
         # The decode buckets that speculate (sharded params: none below max_slots, see _init_state)
         self._spec_rows = () if self._spec is None else tuple(
-            n for n in self._decode_rows if n <= self._spec.tuning.max_batch)
+            n for n in self._decode_rows if n <= self._spec.tuning.batch_limit(self._spec.proposer))
         self._kv_dtype = kv_dtype
         self.time_device_every = time_device_every
         self.on_failure: Callable[[str], None] | None = None

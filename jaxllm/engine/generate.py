@@ -357,23 +357,17 @@ _spec_cores = {options: jax.jit(spec_mod.spec_core, static_argnames=_STATIC[:4] 
                for options in _cores}
 
 
-# The decode attention kernels take caches in whole blocks of slots (a multiple of 16, 64-slot
-# blocks where the length allows: docs/decisions/decode-attention.md#tiles); prompt + steps, both
-# buckets, already are, not with a round's k + 1 added.
-SPEC_CACHE_MULTIPLE = 64
-
-
 def spec_cache_length(prompt: int, steps: int, k: int) -> int:
     """The cache slots of a speculative run: prompt + steps + k + 1 (a round writes k + 1 slots past
-    the last kept), rounded up to SPEC_CACHE_MULTIPLE."""
-    return -(-(prompt + steps + k + 1) // SPEC_CACHE_MULTIPLE) * SPEC_CACHE_MULTIPLE
+    the last kept; prompt + steps, both buckets, are whole blocks already), in whole blocks."""
+    return spec_mod.whole_blocks(prompt + steps + k + 1)
 
 
 def _generate_speculative(params, ids, max_new_tokens, sampling, stops, kv_dtype, speculative,
                           num_speculative, synthetic) -> GenerateOutput:
     spec, aux = spec_mod.resolve(params, speculative, num_speculative, synthetic)
     tokens, start, steps, _ = _plan(params, ids, max_new_tokens, sampling, kv_dtype)
-    if not spec_mod.speculates(spec, tokens.shape[0]):  # the default stops at SpecTuning.max_batch rows
+    if not spec_mod.speculates(spec, tokens.shape[0]):  # the default stops at SpecTuning.batch_limit rows
         out = generate(params, ids, max_new_tokens=max_new_tokens, eos_token_ids=list(stops), kv_dtype=kv_dtype,
                        **sampling._asdict())
         return out._replace(stats=spec_mod.plain_stats(spec.k, out.lengths))

@@ -43,6 +43,15 @@ from jaxllm.model.params import Params, param_bytes
 from jaxllm.model.transformer import rotation_table, step
 
 DEFAULT_K = {"ngram": 7, "draft": 3}
+# The decode attention kernels take caches in whole blocks of slots (a multiple of 16, 64-slot
+# blocks where the length allows: docs/decisions/decode-attention.md#tiles): the target's and the
+# draft's caches of a speculative run are rounded up to this.
+SPEC_CACHE_MULTIPLE = 64
+
+
+def whole_blocks(slots: int) -> int:
+    """slots rounded up to SPEC_CACHE_MULTIPLE."""
+    return -(-slots // SPEC_CACHE_MULTIPLE) * SPEC_CACHE_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +60,12 @@ class SpecTuning:
     (part of the loop's static `Spec`); the figures behind the defaults are in
     docs/decisions/speculative.md#when-it-runs."""
 
-    # The default (num_speculative None) speculates for at most this many rows; a larger batch
-    # decodes plainly, as a verify step over B * (k + 1) tokens stops being nearly free.
+    # The default (num_speculative None) speculates for at most this many rows with prompt lookup
+    # (`max_batch`, not measured yet) or a draft model (`max_batch_draft`: on the 8B shape with a
+    # 1B draft it still paid at 64 rows); a larger batch decodes plainly, as a verify step over
+    # B * (k + 1) tokens stops being nearly free.
     max_batch: int = 8
+    max_batch_draft: int = 64
     # A verify step's time in plain steps: a batch keeps speculating while its moving mean of
     # tokens a live row gains a verify round is at least this (plus a draft model's steps).
     verify_cost: float = 1.5
@@ -63,13 +75,19 @@ class SpecTuning:
 
     @classmethod
     def from_env(cls) -> "SpecTuning":
-        """The defaults, overridden by JAXLLM_SPEC_MAX_BATCH, JAXLLM_SPEC_VERIFY_COST and
-        JAXLLM_SPEC_PAUSE ("min,max")."""
+        """The defaults, overridden by JAXLLM_SPEC_MAX_BATCH, JAXLLM_SPEC_MAX_BATCH_DRAFT,
+        JAXLLM_SPEC_VERIFY_COST and JAXLLM_SPEC_PAUSE ("min,max")."""
         d = cls()
         low, high = env_ints("JAXLLM_SPEC_PAUSE", f"{d.min_pause},{d.max_pause}")
         return cls(max_batch=env_number("JAXLLM_SPEC_MAX_BATCH", d.max_batch),
+                   max_batch_draft=env_number("JAXLLM_SPEC_MAX_BATCH_DRAFT", d.max_batch_draft),
                    verify_cost=env_number("JAXLLM_SPEC_VERIFY_COST", d.verify_cost, float),
                    min_pause=max(low, 1), max_pause=max(high, low, 1))
+
+
+    def batch_limit(self, proposer: "Proposer") -> int:
+        """The most rows the default speculates for with this proposer."""
+        return self.max_batch_draft if isinstance(proposer, Draft) else self.max_batch
 
 
 TUNING = SpecTuning.from_env()
@@ -91,7 +109,7 @@ class SpecStats(NamedTuple):
     accepted: int
     histogram: tuple[int, ...]  # [k+1]: a live row's verify round accepting n drafts
     tokens: int  # tokens made after the prefill's first, summed over rows
-    off_at_batch: bool = False  # the default's batch policy decoded plainly (SpecTuning.max_batch)
+    off_at_batch: bool = False  # the default's batch policy decoded plainly (SpecTuning.batch_limit)
 
     @property
     def acceptance_rate(self) -> float:
@@ -239,7 +257,9 @@ class Draft(Proposer):
     step_cost: float = 0.0
 
     def init(self, aux, tokens_BT, start_B, cache_length, kv_int8):
-        cache = init_cache(aux.config, tokens_BT.shape[0], cache_length + self.chunk, aux.dtype, start_B,
+        # a catch-up feeds a chunk past the target's end; whole blocks, or every draft step would
+        # leave the attention kernel
+        cache = init_cache(aux.config, tokens_BT.shape[0], whole_blocks(cache_length + self.chunk), aux.dtype, start_B,
                            kv_dtype="int8" if kv_int8 else None)
         _, cache = step(aux, tokens_BT, cache, fresh=True)
         return cache
@@ -608,8 +628,8 @@ def plain_stats(k: int, lengths) -> SpecStats:
 
 def speculates(spec: Spec, rows: int) -> bool:
     """Whether a call of `rows` rows speculates: always with a fixed k, the default only up to
-    the tuning's max_batch rows."""
-    return not spec.adaptive or rows <= spec.tuning.max_batch
+    the tuning's batch limit for its proposer."""
+    return not spec.adaptive or rows <= spec.tuning.batch_limit(spec.proposer)
 
 
 def drafts_a_round(kind: str, num_speculative) -> int:

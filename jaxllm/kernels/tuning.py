@@ -27,7 +27,7 @@ class KernelTuning:
     # the attention in `verify_attention`, the matrices in `rows_project` from verify_rows_min
     # rows (B*T); 0 tokens: XLA's prefill forms (docs/decisions/verify-step.md)
     verify_tokens: int = 9
-    verify_rows_min: int = 8
+    verify_rows_min: int = 2
     verify_tiles: tuple[int, ...] = (64, 128, 4)  # verify_attention's blocks, splits, warps
     # one-row projection (docs/decisions/one-row-projection.md)
     decode_project: str = "auto"
@@ -82,7 +82,7 @@ class KernelTuning:
             fused_heads_values=env_number("JAXLLM_FUSED_HEADS", "8192"),
             pdl_trigger=env_flag("JAXLLM_PDL_TRIGGER", True),
             verify_tokens=env_number("JAXLLM_VERIFY_TOKENS", 9),
-            verify_rows_min=env_number("JAXLLM_VERIFY_ROWS_MIN", 8),
+            verify_rows_min=env_number("JAXLLM_VERIFY_ROWS_MIN", 2),
             verify_tiles=env_ints("JAXLLM_VERIFY_TILES", "64,128,4"),
             decode_project=env_choice("JAXLLM_DECODE_PROJECT", MODES, "auto"),
             kernel_max_weights=env_number("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20),
