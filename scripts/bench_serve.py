@@ -5,6 +5,8 @@
     python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 1000 --rate 4
     python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 200 \
         --rate 4,8,12,16 --mode http              # a line a rate, one engine's warm-up
+    python scripts/bench_serve.py --preset llama3-8b --max-slots 128 --max-context 4096 --requests 8 \
+        --input-len 128 --output-len 256 --max-concurrency 1 --mode engine,http  # a lone stream
     python scripts/bench_serve.py --preset tiny --dtype float32 --requests 8 --max-slots 4 --max-context 256 \\
         --input-len 8,64 --output-len 8,32      # a CPU smoke run
 
@@ -24,7 +26,7 @@ Modes (--mode, a comma list, run in this order on the same requests):
           when its batch ends: its TTFT is its e2e).
 
 JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk,
-requests, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens, output_tokens,
+requests, max_concurrency, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens, output_tokens,
 request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
 (TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
 http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
@@ -103,6 +105,9 @@ def parse_args(argv):
     p.add_argument("--input-len", type=_pair, default=(32, 512), metavar="LOW,HIGH")
     p.add_argument("--output-len", type=_pair, default=(32, 512), metavar="LOW,HIGH")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="at most N requests in flight (engine and http modes): a request that arrives "
+                        "while N run is sent when one ends, its latencies from then (1: a lone stream)")
     p.add_argument("--mode", default="engine,http,static",
                    help="a comma list of engine, http, static (default: all three)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds a mode may take (default: 3600)")
@@ -125,6 +130,8 @@ def parse_args(argv):
     args.modes = [m for m in ("engine", "http", "static") if m in modes]
     if args.requests < 1 or args.max_slots < 1 or args.max_context < 2:
         p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.time_device_every < 0 or args.fake_device is not None and not args.fake_device >= 0:
         p.error("--time-device-every and --fake-device must be >= 0")
     drafts = [x for x in (args.speculate, args.draft_model, args.draft_preset) if x]
@@ -272,12 +279,14 @@ def fake_device_engine(ms: float):
     return FakeDeviceEngine
 
 
-def run_engine(engine, jobs, timeout: float):
-    """Submit each job at its arrival time from this thread; tokens timed in on_event."""
+def run_engine(engine, jobs, timeout: float, concurrency: int | None = None):
+    """Submit each job at its arrival time from this thread (and, with `concurrency`, once fewer
+    than that many run); tokens timed in on_event."""
     from jaxllm.engine.api import Request
 
     records = [(0.0, []) for _ in jobs]
     done = threading.Semaphore(0)
+    slots = threading.Semaphore(concurrency or len(jobs))
     errors = []
 
     def listener(i):
@@ -287,17 +296,21 @@ def run_engine(engine, jobs, timeout: float):
             if event.finish_reason is not None:
                 if event.finish_reason not in ("length", "stop"):
                     errors.append(f"request {i}: {event.finish_reason} {event.error or ''}")
+                slots.release()
                 done.release()
         return on_event
 
     start = time.perf_counter()
+    deadline = start + timeout
     for i, job in enumerate(jobs):
         wait = start + job["arrival"] - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+        if not slots.acquire(timeout=max(deadline - time.perf_counter(), 0)):
+            errors.append("timed out")
+            return records, time.perf_counter() - start, errors
         records[i] = (time.perf_counter(), [])
         engine.submit(Request(tuple(job["prompt"]), job["n_out"], ignore_eos=True), listener(i))
-    deadline = start + timeout
     for _ in jobs:
         if not done.acquire(timeout=max(deadline - time.perf_counter(), 0)):
             errors.append("timed out")
@@ -369,16 +382,22 @@ def _raise_open_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def http_client(port: int, jobs, timeout: float):
-    """Send every job at its arrival time as a streaming completion; (records, duration, errors)."""
+def http_client(port: int, jobs, timeout: float, concurrency: int | None = None):
+    """Send every job at its arrival time (and, with `concurrency`, once fewer than that many are in
+    flight) as a streaming completion; (records, duration, errors)."""
 
     async def client():
         records = [(0.0, []) for _ in jobs]
         errors = []
+        slots = asyncio.Semaphore(concurrency or len(jobs))
         start = time.perf_counter()
 
         async def one(i, job):
             await asyncio.sleep(max(start + job["arrival"] - time.perf_counter(), 0))
+            async with slots:
+                await send(i, job)
+
+        async def send(i, job):
             times, usage = [], {}
             records[i] = (time.perf_counter(), times)
             body = json.dumps(dict(model="bench", prompt=job["prompt"], max_tokens=job["n_out"], temperature=0,
@@ -429,13 +448,13 @@ def http_server(engine, vocab: int):
         thread.join(60)
 
 
-def run_http(port: int, jobs, timeout: float):
+def run_http(port: int, jobs, timeout: float, concurrency: int | None = None):
     # The client runs in a process of its own, as a user's would: parsing every stream's chunks
     # here would take the interpreter lock from the engine thread and the server.
     import concurrent.futures
     import multiprocessing
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(http_client, port, jobs, timeout).result()
+        return pool.submit(http_client, port, jobs, timeout, concurrency).result()
 
 
 def run_static(params, jobs, batch: int):
@@ -498,7 +517,7 @@ def main(argv=None) -> int:
     cfg = params.config
     label = dict(preset=None if args.model else args.preset, model=args.model, device=str(jax.devices()[0]),
                  dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
-                 prefill_chunk=args.prefill_chunk, requests=args.requests,
+                 prefill_chunk=args.prefill_chunk, requests=args.requests, max_concurrency=args.max_concurrency,
                  input_len=list(args.input_len),
                  output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
                  speculate=args.speculate or args.draft_model or args.draft_preset,
@@ -541,10 +560,10 @@ def main(argv=None) -> int:
     # every rate in engine mode, then in http mode (one server), then static once (on the first
     # rate's requests: static mode ignores arrival times)
     if "engine" in args.modes:
-        each_rate("engine", lambda jobs: run_engine(engine, jobs, args.timeout))
+        each_rate("engine", lambda jobs: run_engine(engine, jobs, args.timeout, args.max_concurrency))
     if "http" in args.modes:
         with http_server(engine, cfg.vocab_size) as port:  # which shuts the engine down at its end
-            each_rate("http", lambda jobs: run_http(port, jobs, args.timeout))
+            each_rate("http", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
         engine = None
     if "static" in args.modes:
         if engine is not None:  # its cache goes before generate's batches need the memory

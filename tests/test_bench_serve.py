@@ -63,3 +63,16 @@ def test_bench_serve_speculates_with_a_draft_preset():
     assert line["errors"] == [] and line["speculate"] == "tiny" and line["num_speculative"] == 2
     assert line["spec_steps"] > 0 and line["spec_proposed"] >= line["spec_accepted"] >= 0
     assert line["compilations_during_run"] == 0
+
+
+@pytest.mark.slow
+def test_bench_serve_max_concurrency_one_is_a_lone_stream():
+    """--max-concurrency 1: requests that arrive together are sent one after another, so every
+    decode step runs one row (the single-stream latency the serving issue compares with bench.py)."""
+    lines = _bench_serve("--preset", "tiny", "--requests", "4", "--max-slots", "4", "--max-context", "128",
+                         "--prefill-chunk", "32", "--input-len", "4,16", "--output-len", "4,16", "--fake-device", "1",
+                         "--mode", "engine,http", "--max-concurrency", "1")
+    assert [line["mode"] for line in lines] == ["engine", "http"]
+    for line in lines:
+        assert line["errors"] == [] and line["max_concurrency"] == 1
+        assert line["mean_occupancy"] * line["max_slots"] == pytest.approx(1)
