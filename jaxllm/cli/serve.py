@@ -49,11 +49,11 @@ def add_serve(subparsers) -> None:
     p.add_argument("--speculate", choices=("ngram",), default=None,
                    help="speculative decoding by prompt lookup (drafts from the request's own prompt and "
                         "answer, checked in one step): the same tokens when greedy, the same law when "
-                        "sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH (8) rows")
+                        "sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH (4) rows")
     p.add_argument("--draft-model", metavar="PATH", default=None,
                    help="speculative decoding with a smaller checkpoint of the same tokenizer proposing "
                         "the tokens (its own cache of --max-slots rows); the same tokens when greedy, the "
-                        "same law when sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH (8) rows")
+                        "same law when sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH_DRAFT (64) rows")
     p.add_argument("--num-speculative", type=argtype(1, 32), default=None, metavar="K",
                    help="drafts a row a step with --speculate or --draft-model (default: 7 for ngram, "
                         "3 for a draft model)")

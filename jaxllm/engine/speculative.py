@@ -61,10 +61,11 @@ class SpecTuning:
     docs/decisions/speculative.md#when-it-runs."""
 
     # The default (num_speculative None) speculates for at most this many rows with prompt lookup
-    # (`max_batch`, not measured yet) or a draft model (`max_batch_draft`: on the 8B shape with a
-    # 1B draft it still paid at 64 rows); a larger batch decodes plainly, as a verify step over
-    # B * (k + 1) tokens stops being nearly free.
-    max_batch: int = 8
+    # (`max_batch`: on the default model every prompt set paid at 4 rows, open chat lost at 8) or
+    # a draft model (`max_batch_draft`: on the 8B shape with a 1B draft it still paid at 64); a
+    # larger batch decodes plainly, as a verify step over B * (k + 1) tokens stops being nearly
+    # free (docs/decisions/speculative.md#when-it-runs).
+    max_batch: int = 4
     max_batch_draft: int = 64
     # A verify step's time in plain steps: a batch keeps speculating while its moving mean of
     # tokens a live row gains a verify round is at least this (plus a draft model's steps).
