@@ -83,10 +83,11 @@ prompts (the baseline of the same run), then the speculative calls, which the ti
 describe; the line also has speculate, num_speculative (null: adaptive), synthetic_acceptance,
 verify_cost (the tuning adaptive k pauses by), spec_default_on (whether generate's default would
 speculate at this batch: bench speculates at every batch, the default only up to
-SpecTuning.batch_limit rows: 4 with prompt lookup, 64 with a draft model), plain_generate_s, plain_tokens, plain_tokens_per_s, spec_tokens,
-spec_tokens_per_s, speedup (spec_tokens_per_s over plain_tokens_per_s), rows_same_as_plain (the
-share of rows whose answer is plain generate's, token for token: greedy speculation makes the same
-tokens but for rounding, the verify step's sums being in another order) and spec (the SpecStats:
+SpecTuning.batch_limit rows: 4 with prompt lookup, 64 with a draft model), plain_generate_s,
+plain_tokens, plain_tokens_per_s, spec_tokens, spec_tokens_per_s, speedup (spec_tokens_per_s over
+plain_tokens_per_s), rows_same_as_plain (the share of rows whose answer is plain generate's, token
+for token: greedy speculation makes the same tokens but for rounding, the verify step's sums being
+in another order) and spec (the SpecStats:
 k, rounds, verify_rounds, row_rounds, drafted, accepted, histogram, tokens, off_at_batch,
 acceptance_rate, tokens_per_step). With --prompt-set (real prompts, rows stopping at the model's
 end of turn) the line has prompt_set, and without speculation tokens (the tokens made); a decode

@@ -26,8 +26,8 @@ Modes (--mode, a comma list, run in this order on the same requests):
           when its batch ends: its TTFT is its e2e).
 
 JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk,
-requests, max_concurrency, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens, output_tokens,
-request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
+requests, max_concurrency, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens,
+output_tokens, request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
 (TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
 http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
 running / max_slots, mean over decode steps), mean_computed_rows (rows a decode step computed: its

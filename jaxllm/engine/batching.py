@@ -493,9 +493,9 @@ class BatchingEngine:
         `num_speculative` drafts a row a step (default 7); a draft model's Params (or a function
         that loads them, called in `start` after `load`) by k (default 3) steps of the draft, which
         shares the target's vocabulary and keeps a cache of the same rows. Both in the decode
-        buckets of at most `SpecTuning.batch_limit` rows (JAXLLM_SPEC_MAX_BATCH, _DRAFT); larger buckets
-        decode plainly. Without `num_speculative` a row whose rounds keep too few tokens for their
-        cost pauses, as generate's batch does (`SpecTuning`). Greedy rows get plain greedy's
+        buckets of at most `SpecTuning.batch_limit` rows (JAXLLM_SPEC_MAX_BATCH, ..._DRAFT); larger
+        buckets decode plainly. Without `num_speculative` a row whose rounds keep too few tokens
+        for their cost pauses, as generate's batch does (`SpecTuning`). Greedy rows get plain greedy's
         tokens; sampled rows the same law, the same tokens for a seed while the row's steps speculate
         (docs/decisions/serving.md#speculation-prompt-lookup-in-the-decode-step)."""
         for name, n in (("max_slots", max_slots), ("max_queued", max_queued), ("prefill_chunk", prefill_chunk)):

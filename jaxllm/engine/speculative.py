@@ -61,10 +61,8 @@ class SpecTuning:
     docs/decisions/speculative.md#when-it-runs."""
 
     # The default (num_speculative None) speculates for at most this many rows with prompt lookup
-    # (`max_batch`: on the default model every prompt set paid at 4 rows, open chat lost at 8) or
-    # a draft model (`max_batch_draft`: on the 8B shape with a 1B draft it still paid at 64); a
-    # larger batch decodes plainly, as a verify step over B * (k + 1) tokens stops being nearly
-    # free (docs/decisions/speculative.md#when-it-runs).
+    # or a draft model; a larger batch decodes plainly, as a verify step over B * (k + 1) tokens
+    # stops being nearly free (where, measured: docs/decisions/speculative.md#when-it-runs).
     max_batch: int = 4
     max_batch_draft: int = 64
     # A verify step's time in plain steps: a batch keeps speculating while its moving mean of
@@ -84,7 +82,6 @@ class SpecTuning:
                    max_batch_draft=env_number("JAXLLM_SPEC_MAX_BATCH_DRAFT", d.max_batch_draft),
                    verify_cost=env_number("JAXLLM_SPEC_VERIFY_COST", d.verify_cost, float),
                    min_pause=max(low, 1), max_pause=max(high, low, 1))
-
 
     def batch_limit(self, proposer: "Proposer") -> int:
         """The most rows the default speculates for with this proposer."""
@@ -260,8 +257,8 @@ class Draft(Proposer):
     def init(self, aux, tokens_BT, start_B, cache_length, kv_int8):
         # a catch-up feeds a chunk past the target's end; whole blocks, or every draft step would
         # leave the attention kernel
-        cache = init_cache(aux.config, tokens_BT.shape[0], whole_blocks(cache_length + self.chunk), aux.dtype, start_B,
-                           kv_dtype="int8" if kv_int8 else None)
+        cache = init_cache(aux.config, tokens_BT.shape[0], whole_blocks(cache_length + self.chunk), aux.dtype,
+                           start_B, kv_dtype="int8" if kv_int8 else None)
         _, cache = step(aux, tokens_BT, cache, fresh=True)
         return cache
 
