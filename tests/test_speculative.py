@@ -10,6 +10,7 @@ import pytest
 
 import jaxllm
 from jaxllm.engine import speculative as spec
+from jaxllm.engine.generate import spec_cache_length
 from jaxllm.engine.sampling import filter_logits
 from jaxllm.model.cache import init_cache, rollback
 from jaxllm.model.transformer import jitted_step
@@ -65,7 +66,6 @@ def test_greedy_equals_plain_greedy(tiny, drafts):
 def test_the_drafts_cache_is_whole_blocks_for_the_attention_kernel(drafts):
     """The draft's cache is the target's plus a catch-up chunk: not rounded, it missed the decode
     attention kernel's multiple of 16, and every draft step on a GPU took XLA's attention."""
-    from jaxllm.engine.generate import spec_cache_length
     length = spec_cache_length(16, 32, 3)
     cache = spec.Draft().init(drafts("llama"), jnp.asarray([random_tokens(16).tolist()]), jnp.zeros((1,), jnp.int32),
                               length, False)
