@@ -87,7 +87,9 @@ SpecTuning.batch_limit rows: 4 with prompt lookup, 64 with a draft model), plain
 plain_tokens, plain_tokens_per_s, spec_tokens, spec_tokens_per_s, speedup (spec_tokens_per_s over
 plain_tokens_per_s), rows_same_as_plain (the share of rows whose answer is plain generate's, token
 for token: greedy speculation makes the same tokens but for rounding, the verify step's sums being
-in another order) and spec (the SpecStats:
+in another order), spec_roofline_tokens_per_s (a round's floor: one target step's roofline and
+k draft steps' weights at the datasheet bandwidth, over the tokens a round made) and
+pct_of_spec_roofline (decode_tokens_per_s against it), and spec (the SpecStats:
 k, rounds, verify_rounds, row_rounds, drafted, accepted, histogram, tokens, off_at_batch,
 acceptance_rate, tokens_per_step). With --prompt-set (real prompts, rows stopping at the model's
 end of turn) the line has prompt_set, and without speculation tokens (the tokens made); a decode
@@ -849,6 +851,14 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         floor_tokens_per_s=batch / floor["floor_ms"] * 1e3 if floor else None,
         pct_of_floor=100 * floor["floor_ms"] / (decode_s * 1e3) if floor else None,
         decode_paths=describe(decode_plan), **memory, **spec_fields, error=None)
+    if speculative:
+        # A round's floor (issue 60's): one target step's roofline and k draft steps' weights at the
+        # datasheet bandwidth, over the tokens a round made, as decode's roofline is a step's
+        draft_bytes = 0 if isinstance(args.draft, str) else param_bytes(args.draft)
+        round_s = dt["time_lb_s"] + out.stats.k * draft_bytes / peak_bw
+        spec_roofline = batch * out.stats.tokens_per_step / round_s
+        result.update(spec_roofline_tokens_per_s=spec_roofline,
+                      pct_of_spec_roofline=100 * result["decode_tokens_per_s"] / spec_roofline)
 
     log(roofline.format_table(dec))
     log(f"decode paths: {result['decode_paths']}")

@@ -160,6 +160,11 @@ def test_bench_speculative_lines_carry_the_plain_baseline_and_the_acceptance():
         assert r["plain_tokens"] == r["spec_tokens"] == 16 * r["batch"] and r["rows_same_as_plain"] == 1.0
         assert r["plain_tokens_per_s"] == pytest.approx(r["plain_tokens"] / r["plain_generate_s"])
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"])
+        # prompt lookup's drafts read no weights: the round's floor is the roofline's step over
+        # the tokens a round made (4 decimals in the stats)
+        floor = r["spec_roofline_tokens_per_s"]
+        assert floor == pytest.approx(r["roofline_tokens_per_s"] * r["spec"]["tokens_per_step"], rel=1e-3)
+        assert r["pct_of_spec_roofline"] == pytest.approx(100 * r["decode_tokens_per_s"] / floor)
         stats = r["spec"]
         assert len(stats["histogram"]) == 4 and stats["tokens"] == 15 * r["batch"] and not stats["off_at_batch"]
         assert stats["rounds"] <= 15 and stats["row_rounds"] <= 15 * r["batch"]
