@@ -25,11 +25,12 @@ Modes (--mode, a comma list, run in this order on the same requests):
           batch to its longest output (every shape warmed up first; a request's tokens all come
           when its batch ends: its TTFT is its e2e).
 
-JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk,
+JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk, mixed_prefill,
 requests, max_concurrency, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens,
 output_tokens, request_throughput, output_tokens_per_s, ttft_ms_{p50,p90,p99}, tpot_ms_*, itl_ms_*, e2e_ms_*
 (TPOT = (e2e - TTFT) / (n - 1); ITL: the gaps between a request's tokens; null in static mode), and for engine and
-http: compilations_during_run, decode_steps, prefill_calls, chunk_calls, mean_occupancy (rows
+http: compilations_during_run, decode_steps, prefill_calls, mixed_steps (decode steps that carried a
+prompt's prefill in the same pass), chunk_calls, mean_occupancy (rows
 running / max_slots, mean over decode steps), mean_computed_rows (rows a decode step computed: its
 decode bucket, mean over steps), and a decode step's share of the engine loop's
 time: wall_ms_per_step (its busy time, idle waits left out), device_ms_per_step (what the
@@ -98,6 +99,8 @@ def parse_args(argv):
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false",
+                   help="prefill every prompt in a call of its own, never in a decode step's pass")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--rate", type=_rates, default=(math.inf,), metavar="R[,R...]",
                    help="requests per second, Poisson; a comma list runs the engine and http modes at "
@@ -191,15 +194,15 @@ def summarize(jobs, records, duration_s: float, streamed: bool = True) -> dict:
 
 def engine_fields(before: dict, after: dict, process_cpu_s: float, fake_ms: float | None = None) -> dict:
     d = {k: after[k] - before[k] for k in ("compilations", "iterations", "decode_steps", "prefill_calls",
-                                            "chunk_calls", "occupied_rows", "computed_rows", "busy_s", "cpu_s", "wait_s", "device_s",
+                                            "mixed_steps", "chunk_calls", "occupied_rows", "computed_rows", "busy_s", "cpu_s", "wait_s", "device_s",
                                             "device_iterations")}
     steps = max(d["decode_steps"], 1)
     # The timed iterations' mean, over all iterations, a decode step: the device's share of a step.
     device_s = d["device_s"] / d["device_iterations"] * d["iterations"] if d["device_iterations"] else None
     if fake_ms is not None:  # a fake device's time is known exactly
-        device_s = fake_ms / 1e3 * (d["decode_steps"] + d["prefill_calls"] + d["chunk_calls"])
+        device_s = fake_ms / 1e3 * (d["decode_steps"] + d["prefill_calls"] + d["chunk_calls"] - d["mixed_steps"])
     return dict(compilations_during_run=d["compilations"], decode_steps=d["decode_steps"],
-                prefill_calls=d["prefill_calls"], chunk_calls=d["chunk_calls"],
+                prefill_calls=d["prefill_calls"], mixed_steps=d["mixed_steps"], chunk_calls=d["chunk_calls"],
                 mean_occupancy=round(d["occupied_rows"] / steps / after["max_slots"], 4),
                 mean_computed_rows=round(d["computed_rows"] / steps, 2),
                 wall_ms_per_step=round(d["busy_s"] / steps * 1e3, 4),
@@ -265,6 +268,13 @@ def fake_device_engine(ms: float):
                 first = np.asarray(tokens_bW)[:, -1].copy()
                 return rows, into(nxt, np.asarray(at_b), first), late(first), logprobs(len(first))
 
+            def mixed(params, rows, nxt, active, rotation, tokens_bW, start_b, at_b, sampling_b, draft=None, *,
+                      flags):
+                rows, nxt, tokens, _ = decode(params, rows, nxt, active, rotation, flags=flags, logprobs_=False)
+                first = np.asarray(tokens_bW)[:, -1].copy()
+                return rows, into(nxt, np.asarray(at_b), first), tokens, _Late(first, tokens.ready_at), \
+                    logprobs(len(first))
+
             def chunk(params, stage, tokens_1C, start_1, draft=None):
                 return late(None)  # the staging cache: what a timed iteration waits for
 
@@ -273,7 +283,7 @@ def fake_device_engine(ms: float):
                 return rows, into(nxt, np.reshape(at, (1,)), first), late(first), logprobs(1)
 
             self._decode_fn = lambda *a, flags, logprobs: decode(*a, flags=flags, logprobs_=logprobs)
-            self._prefill_fn, self._chunk_insert_fn = prefill, chunk_insert
+            self._prefill_fn, self._chunk_insert_fn, self._mixed_fn = prefill, chunk_insert, mixed
             self._chunk_fns = {True: chunk, False: chunk}
 
     return FakeDeviceEngine
@@ -517,7 +527,8 @@ def main(argv=None) -> int:
     cfg = params.config
     label = dict(preset=None if args.model else args.preset, model=args.model, device=str(jax.devices()[0]),
                  dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
-                 prefill_chunk=args.prefill_chunk, requests=args.requests, max_concurrency=args.max_concurrency,
+                 prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill, requests=args.requests,
+                 max_concurrency=args.max_concurrency,
                  input_len=list(args.input_len),
                  output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
                  speculate=args.speculate or args.draft_model or args.draft_preset,
@@ -532,7 +543,8 @@ def main(argv=None) -> int:
     if {"engine", "http"} & set(args.modes):
         kind = BatchingEngine if args.fake_device is None else fake_device_engine(args.fake_device)
         engine = kind(params, max_slots=args.max_slots, max_context=args.max_context, max_queued=args.requests,
-                      prefill_chunk=args.prefill_chunk, time_device_every=args.time_device_every,
+                      prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill,
+                      time_device_every=args.time_device_every,
                       **(dict(speculative=speculative, num_speculative=args.num_speculative)
                          if speculative is not None else {}))
         started = time.perf_counter()

@@ -175,6 +175,27 @@ def test_a_step_over_the_first_rows_leaves_the_others_alone(tiny, mode):
         cache, token_2 = stepped, jnp.asarray(_greedy(got)[:, None])
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_a_mixed_step_is_the_decode_step_and_the_prefill_it_joins(tiny, mode, name):
+    """`mixed_step`, one pass over the first rows' decode tokens and two left-padded prompts (a
+    serving engine's step that admits requests), gives each part's logits and cache rows as the
+    decode step and the fresh prefill run apart would."""
+    from jaxllm.model.transformer import mixed_step
+    params = tiny(name).params
+    logits, cache = _running_batch(params, [random_tokens(n, seed=80 + n) for n in (9, 5, 12)], 48, mode)
+    token_2 = jnp.asarray(_greedy(logits)[:2])
+    prompts = random_tokens((2, 16), seed=8)
+    start = np.array([5, 0], np.int32)
+    want_n, want_cache = jitted_step()(params, token_2[:, None], cache)
+    want_b, want_fresh = jitted_step()(params, jnp.asarray(prompts),
+                                       init_cache(params.config, 2, 16, params.dtype, start, kv_dtype=mode), fresh=True)
+    got_n, got_b, got_cache, got_fresh = jax.jit(mixed_step)(params, token_2, cache, jnp.asarray(prompts), start)
+    assert rel_err(got_n, want_n) < 1e-5 and rel_err(got_b, want_b) < 1e-5
+    for got, want in ((got_cache, want_cache), (got_fresh, want_fresh)):
+        for new, old in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(new, np.float32), np.asarray(old, np.float32), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["mistral", "qwen3"])
 def test_a_step_returns_the_logits_of_every_new_position(tiny, name):
     """`step(..., all_logits=True)` of 4 tokens a row over a warm cache whose rows end at

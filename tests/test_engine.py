@@ -118,6 +118,7 @@ def test_concurrent_requests_equal_generate_alone(engine, params):
     s = _wait_idle(engine)
     assert s["slots_in_use"] == 0
     assert s["occupied_rows"] > 2 * s["decode_steps"]  # the rows ran together
+    assert s["mixed_steps"] > 0  # some prompts were prefilled in the decode rows' pass
 
 
 def test_a_lone_request_steps_one_row(engine, params):

@@ -58,7 +58,7 @@ from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
 from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release, rollback
 from jaxllm.model.params import Params
-from jaxllm.model.transformer import rotation_table, step
+from jaxllm.model.transformer import mixed_step, rotation_table, step
 
 # Decode buckets below max_slots: 1 (a lone stream: the one-row kernels), 8 and 32 (the rows
 # kernel's range); each adds four programs to the compile set.
@@ -163,13 +163,22 @@ def _prefill_insert(params, rows: Rows, nxt: Next, tokens_bW, start_b, at_b, sam
     """Prefill b left-padded prompts of one bucket width W, sample each first token (index 0), and
     insert each row into the cache's row at_b (B: padding, dropped); with a `draft` model, its
     cache's rows too. Returns (rows, next, first tokens [b], logprobs)."""
-    cfg = params.config
     b, W = tokens_bW.shape
     kv_dtype = "int8" if kv_int8 else None
-    fresh = init_cache(cfg, b, W, params.dtype, start_b, kv_dtype=kv_dtype)
+    fresh = init_cache(params.config, b, W, params.dtype, start_b, kv_dtype=kv_dtype)
     logits_bV, fresh = step(params, tokens_bW, fresh, fresh=True)
+    return _insert_prompts(params, rows, nxt, logits_bV, fresh, tokens_bW, start_b, at_b, sampling_b, draft)
+
+
+def _insert_prompts(params, rows: Rows, nxt: Next, logits_bV, fresh: KVCache, tokens_bW, start_b, at_b,
+                    sampling_b: SamplingParams, draft=None):
+    """What `_prefill_insert` does after the prefill made the prompts' last logits and fresh b-row
+    cache: the draft model's prefill, each first token sampled, each row inserted."""
+    cfg = params.config
+    b, W = tokens_bW.shape
     draft_cache = rows.draft
     if draft is not None:
+        kv_dtype = "int8" if fresh.k_scale is not None else None
         fresh_d = init_cache(draft.config, b, W, draft.dtype, start_b, kv_dtype=kv_dtype)
         _, fresh_d = step(draft, tokens_bW, fresh_d, fresh=True)
         draft_cache = _insert_rows(draft_cache, fresh_d, at_b)
@@ -255,11 +264,33 @@ def _decode(params, rows: Rows, nxt: Next, active_n, rotation, *, flags: Samplin
     """One token for each of the cache's first n rows, n = len(active_n) (a decode bucket: the
     rows past it are neither read nor written); free rows among them are emptied first (they write
     slot 0 and read nothing). Returns (rows, next, tokens [n], logprobs or None)."""
+    n = active_n.shape[0]
+    cache, _ = _release_free(rows.cache, active_n)
+    logits_nV, cache = step(params, nxt.tokens[:n, None], cache, rotation=rotation)
+    return _decoded(rows.replace(cache=cache), nxt, logits_nV, active_n, flags=flags, logprobs=logprobs)
+
+
+def _mixed(params, rows: Rows, nxt: Next, active_n, rotation, tokens_bW, start_b, at_b, sampling_b: SamplingParams,
+           draft=None, *, flags: SamplingFlags):
+    """`_decode` (without logprobs) and `_prefill_insert` in one pass of the target (`mixed_step`:
+    each matrix reads its weights once for the decode rows and the prompts). The prompts' rows
+    at_b are free rows: among the first n they decode as free rows do, then take the prompts.
+    Returns (rows, next, tokens [n], first tokens [b], the prompts' logprobs)."""
+    n = active_n.shape[0]
+    cache, _ = _release_free(rows.cache, active_n)
+    logits_nV, logits_bV, cache, fresh = mixed_step(params, nxt.tokens[:n], cache, tokens_bW, start_b, rotation)
+    rows, nxt, token_n, _ = _decoded(rows.replace(cache=cache), nxt, logits_nV, active_n, flags=flags, logprobs=False)
+    rows, nxt, first_b, lp = _insert_prompts(params, rows, nxt, logits_bV, fresh, tokens_bW, start_b, at_b,
+                                             sampling_b, draft)
+    return rows, nxt, token_n, first_b, lp
+
+
+def _decoded(rows: Rows, nxt: Next, logits_nV, active_n, *, flags: SamplingFlags, logprobs: bool):
+    """What `_decode` does after the step that wrote the cache (rows.cache) and made logits_nV."""
     B, n = rows.cache.batch, active_n.shape[0]
     first = (lambda x: x) if n == B else (lambda x: x[:n])
     put = (lambda full, part: part) if n == B else (lambda full, part: full.at[:n].set(part))
-    cache, _ = _release_free(rows.cache, active_n)
-    logits_nV, cache = step(params, first(nxt.tokens)[:, None], cache, rotation=rotation)
+    cache = rows.cache
     history = (first(rows.seen), first(rows.counts))
     token_n = choose(logits_nV, history, jax.tree.map(first, nxt.sampling), first(nxt.index), flags)
     if not flags.greedy:  # the greedy program runs only while no running row reads a history
@@ -406,6 +437,7 @@ def _programs() -> dict:
                for first in (True, False)},
             "chunk_insert": jax.jit(_chunk_insert, donate_argnums=_donated(1)),
             "decode": jax.jit(_decode, donate_argnums=_donated(1), static_argnames=("flags", "logprobs")),
+            "mixed": jax.jit(_mixed, donate_argnums=_donated(1), static_argnames=("flags",)),
             "speculate": jax.jit(_speculate, donate_argnums=_donated(1),
                                  static_argnames=("flags", "logprobs", "k", "proposer")),
         }
@@ -474,7 +506,7 @@ class BatchingEngine:
                  decode_rows: tuple[int, ...] = DECODE_ROWS, eos_token_ids=(), kv_dtype=None,
                  load: Callable[[], object] | None = None, time_device_every: int = 0,
                  speculative: str | speculative.NGram | Params | Callable[[], Params] | None = None,
-                 num_speculative: int | None = None):
+                 num_speculative: int | None = None, mixed_prefill: bool = True):
         """`params` may be None with `load` given: `start()` calls `load()` for them (a server
         answers /health with 503 meanwhile). `max_slots` requests run at once, each up to
         `max_context` tokens (prompt + max_tokens; default and bound: the model's context);
@@ -487,7 +519,10 @@ class BatchingEngine:
         at `eos_token_ids` and the model's own EOS ids unless it says `ignore_eos`. With
         `time_device_every` k > 0, one iteration in k runs its calls alone on an idle device and
         times them from the first call's launch (stats' device_s and device_iterations: what the
-        device takes a step, to set against the loop's busy_s).
+        device takes a step, to set against the loop's busy_s). With `mixed_prefill`, a step of
+        the largest decode bucket that admits one short prompt prefills it in the same pass of
+        the model as the decode rows (`mixed_step`; not with sharded params or where the bucket
+        speculates).
 
         `speculative="ngram"` (or a `speculative.NGram`) speculates by prompt lookup, k =
         `num_speculative` drafts a row a step (default 7); a draft model's Params (or a function
@@ -529,6 +564,7 @@ class BatchingEngine:
         self._spec_rows = () if self._spec is None else tuple(
             n for n in self._decode_rows if n <= self._spec.tuning.batch_limit(self._spec.proposer))
         self._kv_dtype = kv_dtype
+        self.mixed_prefill = bool(mixed_prefill)
         self.time_device_every = time_device_every
         self.on_failure: Callable[[str], None] | None = None
         self._cond = threading.Condition(threading.RLock())
@@ -549,7 +585,7 @@ class BatchingEngine:
         # its thread's processor time; wait_s: its waits on the device's results; device_s: the
         # timed iterations' calls alone; spec_steps: verify steps in which some row had a draft;
         # spec_proposed and spec_accepted: drafts checked and kept, of the rows running when read
-        self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, chunk_calls=0, tokens=0,
+        self._counters = dict(iterations=0, decode_steps=0, prefill_calls=0, mixed_steps=0, chunk_calls=0, tokens=0,
                               occupied_rows=0, computed_rows=0, busy_s=0.0, cpu_s=0.0, wait_s=0.0, device_s=0.0,
                               device_iterations=0, spec_steps=0, spec_proposed=0, spec_accepted=0)
         global _listening
@@ -691,11 +727,15 @@ class BatchingEngine:
         if p.tp is not None:  # a sharded step computes every row
             self._decode_rows = (B,)
             self._spec_rows = tuple(n for n in self._spec_rows if n == B)
+        # The decode buckets whose steps may carry a prompt (`_mixed`): the largest, where the
+        # decode step's weights read is shared with the most rows; a `mixed_step` is unsharded.
+        self._mixed_rows = (B,) if self.mixed_prefill and p.tp is None and B not in self._spec_rows else ()
         programs = _programs()
         self._prefill_fn = programs["prefill_int8" if is_int8(self._kv_dtype) else "prefill"]
         self._chunk_fns = {first: programs[f"chunk_{first}"] for first in (True, False)}
         self._chunk_insert_fn = programs["chunk_insert"]
         self._decode_fn = programs["decode"]
+        self._mixed_fn = programs["mixed"]
         self._speculate_fn = programs["speculate"]
 
     def _widths(self) -> list[int]:
@@ -712,7 +752,8 @@ class BatchingEngine:
     def _warm_up(self) -> None:
         """Run every program once on padding rows (dropped) and free rows: prefill for each width
         and batch size, the chunk programs, the four decode programs of each decode bucket (and
-        the four speculative ones of each bucket that speculates)."""
+        the four speculative ones of each bucket that speculates), and a mixed step's two (greedy
+        or every filter) for each width in each bucket that mixes."""
         B = self.max_slots
         pad = self._params.config.pad_id
         for width in self._widths():
@@ -740,6 +781,13 @@ class BatchingEngine:
                             self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation, self._knobs,
                             self._draft,
                             flags=flags, logprobs=logprobs, k=self._spec.k, proposer=self._spec.proposer)
+        for n in self._mixed_rows:
+            for width in self._widths():
+                for flags in (GREEDY, EVERY):
+                    self._rows, self._next, *_ = self._mixed_fn(
+                        self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
+                        np.full((1, width), pad, np.int32), np.zeros((1,), np.int32), np.full((1,), B, np.int32),
+                        _sampling_values([None]), self._draft, flags=flags)
         jax.block_until_ready(self._rows)
 
     # --- the engine thread --------------------------------------------------------------------
@@ -825,8 +873,8 @@ class BatchingEngine:
         return taken
 
     def _iterate(self, admitted: list[_Running]) -> None:
-        """Dispatch this iteration's prefill (or chunk) and decode step, then read every call but
-        the newest, which runs while the host works."""
+        """Dispatch this iteration's prefill (or chunk) and decode step, or one mixed step of both,
+        then read every call but the newest, which runs while the host works."""
         every = self.time_device_every
         timed = every > 0 and self._counters["iterations"] % every == 0
         if timed:  # the device idle first, so that the clock sees this iteration's calls alone
@@ -835,23 +883,23 @@ class BatchingEngine:
         # The device starts a call about when its dispatch returns: the clock starts there, so
         # the host's dispatch of the first call is not counted as device time.
         launched = None
-        if admitted and admitted[0] is not self._staging:
-            self._prefill(admitted)
-            self._chunk_turn = True
-            launched = time.perf_counter()
-        elif self._staging is not None:
+        prompts = admitted if admitted and admitted[0] is not self._staging else []
+        if not prompts and self._staging is not None:
             self._prefill_chunk(self._staging)
             self._chunk_turn = False
             launched = time.perf_counter()
         active = np.array([o is not None and self._staging is not o for o in self._owner])
+        newest = 1  # the calls left unread while the host works: the newest's results
+        if prompts:
+            self._chunk_turn = True
+            mixed = self._mixed_step(prompts, active)
+            if mixed:
+                newest, active = 2, np.zeros_like(active)  # its decode rows done
+            else:
+                self._prefill(prompts)
+            launched = time.perf_counter()
         if active.any():
-            n = next(n for n in self._decode_rows if n > np.flatnonzero(active)[-1])
-            active = active[:n]
-            requests = [o.request for o, a in zip(self._owner, active) if a]
-            flags = EVERY if any(r.temperature > 0 or r.repetition_penalty != 1 or r.presence_penalty != 0
-                                 or r.frequency_penalty != 0 for r in requests) else GREEDY
-            logprobs = any(r.logprobs is not None for r in requests)
-            owners = [o if a else None for o, a in zip(self._owner, active)]
+            n, active, flags, logprobs, owners = self._decode_rows_of(active)
             if n in self._spec_rows:
                 self._rows, self._next, tokens, counts, lp = self._speculate_fn(
                     self._params, self._rows, self._next, active, self._rotation, self._knobs, self._draft, flags=flags,
@@ -862,28 +910,74 @@ class BatchingEngine:
                 self._rows, self._next, tokens, lp = self._decode_fn(
                     self._params, self._rows, self._next, active, self._rotation, flags=flags, logprobs=logprobs)
                 self._pending.append(_Pending(owners, tokens, lp))
-            self._counters["decode_steps"] += 1
-            self._counters["occupied_rows"] += int(active.sum())
-            self._counters["computed_rows"] += n
+            self._counted(active, n)
             launched = launched or time.perf_counter()
+        elif newest == 1:
+            newest = 0
         if timed and launched is not None:
             jax.block_until_ready((self._stage, [p.tokens for p in self._pending]))
             self._counters["device_s"] += time.perf_counter() - launched
             self._counters["device_iterations"] += 1
-        while len(self._pending) > (1 if active.any() else 0):
+        while len(self._pending) > newest:
             self._deliver(self._pending.popleft())
 
-    def _prefill(self, items: list[_Running]) -> None:
-        width = bucket(max(len(i.request.prompt) for i in items))
-        b = min(s for s in self._batch_sizes(width) if s >= len(items))
-        pad = self._params.config.pad_id
-        tokens = np.full((b, width), pad, np.int32)
+    def _decode_rows_of(self, active):
+        """A decode step's bucket n (the least that holds every row in `active`), active's first n,
+        its sampling flags, whether it makes logprobs, and each of the n rows' request or None."""
+        n = next(n for n in self._decode_rows if n > np.flatnonzero(active)[-1])
+        active = active[:n]
+        requests = [o.request for o, a in zip(self._owner, active) if a]
+        flags = EVERY if any(r.temperature > 0 or r.repetition_penalty != 1 or r.presence_penalty != 0
+                             or r.frequency_penalty != 0 for r in requests) else GREEDY
+        logprobs = any(r.logprobs is not None for r in requests)
+        return n, active, flags, logprobs, [o if a else None for o, a in zip(self._owner, active)]
+
+    def _counted(self, active, n: int) -> None:
+        self._counters["decode_steps"] += 1
+        self._counters["occupied_rows"] += int(active.sum())
+        self._counters["computed_rows"] += n
+
+    def _mixed_step(self, prompts: list[_Running], active) -> bool:
+        """Dispatch one mixed step (`_mixed`) for the decode rows in `active` but the prompt's and
+        the one short prompt, where the rows' bucket mixes and no row asks for logprobs; False
+        (nothing dispatched) otherwise."""
+        if len(prompts) != 1 or not self._mixed_rows:
+            return False
+        (item,) = prompts
+        running = active.copy()
+        running[item.row] = False
+        if not running.any():
+            return False
+        n, running, flags, logprobs, owners = self._decode_rows_of(running)
+        if n not in self._mixed_rows or logprobs:
+            return False
+        tokens, start, at = self._prompt_rows(prompts, item.width, 1)
+        self._rows, self._next, tokens_n, first, lp = self._mixed_fn(
+            self._params, self._rows, self._next, running, self._rotation, tokens, start, at,
+            _sampling_values([item.request]), self._draft, flags=flags)
+        self._pending.append(_Pending([item], first, lp))
+        self._pending.append(_Pending(owners, tokens_n, None))
+        self._counters["prefill_calls"] += 1
+        self._counters["mixed_steps"] += 1
+        self._counted(running, n)
+        return True
+
+    def _prompt_rows(self, items: list[_Running], width: int, b: int):
+        """b prompt rows of one bucket width: the left-padded tokens [b, width], each one's
+        padding (start) and its cache row (at; max_slots: a padding row, dropped)."""
+        tokens = np.full((b, width), self._params.config.pad_id, np.int32)
         start = np.zeros((b,), np.int32)
         at = np.full((b,), self.max_slots, np.int32)
         for j, item in enumerate(items):
             P = len(item.request.prompt)
             tokens[j, width - P:] = item.request.prompt
             start[j], at[j] = width - P, item.row
+        return tokens, start, at
+
+    def _prefill(self, items: list[_Running]) -> None:
+        width = bucket(max(len(i.request.prompt) for i in items))
+        b = min(s for s in self._batch_sizes(width) if s >= len(items))
+        tokens, start, at = self._prompt_rows(items, width, b)
         self._rows, self._next, first, lp = self._prefill_fn(
             self._params, self._rows, self._next, tokens, start, at,
             _sampling_values([i.request for i in items] + [None] * (b - len(items))), self._draft)

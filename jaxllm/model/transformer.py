@@ -6,6 +6,7 @@ into a `KVCache` at each row's end and return logits for the last position only.
 jitted pure function they call, for engines that keep their own bookkeeping.
 """
 
+import dataclasses
 import math
 from functools import partial
 from typing import NamedTuple
@@ -81,6 +82,26 @@ def _attention_block(cfg: ModelConfig, layer: Layer, qkv_BTKJH, positions_BT, kv
         out_BTKGH = L.attention(q_BTNH.reshape(B, T, K, G, H), rows(k_cache), rows(v_cache), mask_BTS,
                                 rows(k_scale), rows(v_scale), **scores)
     return out_BTKGH.reshape(B, T, K * G * H), (k_cache, v_cache, k_scale, v_scale)
+
+
+def _mixed_attention(cfg: ModelConfig, layer: Layer, qkv_1MKJH, kv, inputs, plan: LayerPlan, fused):
+    """A `mixed_step`'s attention: of its M tokens the first n are one a decode row, attending over
+    the cache (kv's first item) as `_attention_block` does for a decode step; the other b*W are
+    the prompts' (rotated, see `_hidden`), attending among themselves, their keys and values
+    written into kv's second item, a fresh b-row cache of W slots. Returns (heads [1, M, C], kv)."""
+    b, W = inputs.prompts_unroll.shape
+    _, M, K, J, H = qkv_1MKJH.shape
+    n = M - b * W
+    decode_kv, prompts_kv = kv
+    heads_n1C, decode_kv = _attention_block(cfg, layer, qkv_1MKJH[0, :n, None], inputs.positions_BT,
+                                            decode_kv, inputs.end_B, inputs.mask_BTS, inputs.inv_freq,
+                                            plan.rope_scale, plan.window, None, fused)
+    positions_bW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (b, W))
+    heads_bWC, prompts_kv = _attention_block(cfg, layer, qkv_1MKJH[0, n:].reshape(b, W, K, J, H), positions_bW,
+                                             prompts_kv, None, None, inputs.inv_freq, plan.rope_scale,
+                                             plan.window, inputs.prompts_unroll)
+    heads_MC = jnp.concatenate([heads_n1C.reshape(n, -1), heads_bWC.reshape(b * W, -1)])
+    return heads_MC[None], (decode_kv, prompts_kv)
 
 
 def _attention_out(cfg: ModelConfig, layer: Layer, heads_BTC, axis=None):
@@ -164,7 +185,8 @@ class StepInputs(NamedTuple):
     attention needs none), the layer's rotary frequencies, a fresh prefill's unrolling indices, the
     attention kernel's (start_B, rotation table), the norm and matrix that come after the block
     (the next qkv's or the lm_head's), and (down_bounds, this layer's index) where gate/up hands
-    down its output as digits."""
+    down its output as digits. In a `mixed_step` the first five are its decode rows', and
+    `prompts_unroll` its prompts' unrolling indices [b, W] (None in any other step)."""
     end_B: jax.Array
     positions_BT: jax.Array
     mask_BTS: jax.Array | None
@@ -174,6 +196,7 @@ class StepInputs(NamedTuple):
     next_norm: jax.Array | None
     next_w: object
     down_bounds: tuple | None
+    prompts_unroll: jax.Array | None = None
 
 
 def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = None,
@@ -191,71 +214,119 @@ def _hidden(params: Params, tokens_BT, cache: KVCache, plan: StepPlan | None = N
     `rotation`: `rotation_table(cfg, cache.length)`, made by a caller that runs many steps (else
     a decode step through the attention kernel makes it).
     """
-    cfg = params.config
     B, T = tokens_BT.shape
     plan = plan or _plan(params, tokens_BT, cache, fresh=fresh)
     # Fewer token rows than the cache has: they are its first B rows (see `step`).
     start_B, end_B = (x if x.shape[0] == B else x[:B] for x in (cache.start, cache.end))
-    axis = plan.axis
+    if fresh:
+        tokens_BT, unroll_BT = _rolled(tokens_BT, start_B)
+        rows = _Rows(end_B, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+                     dict.fromkeys(_windows(params.config)), None)
+    else:
+        unroll_BT = None
+        rows = _warm_rows(params.config, plan, start_B, end_B, T, cache.length, rotation)
+    x_BTD = _embed(params, tokens_BT, plan.axis)
+    x_BTD, normed_BTD, new_kv = _layers(params, plan, x_BTD, _layer_kv(cache), rows, unroll_BT,
+                                        final_norm=T == 1)
+    if fresh:
+        x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
+                             for a in (x_BTD, normed_BTD))
+    return x_BTD, normed_BTD, _with_layers(cache, new_kv, T, B)
+
+
+class _Rows(NamedTuple):
+    """What a step's attention takes for its rows, besides the layer (see `StepInputs`): their
+    write slots, positions, masks by window and the attention kernel's arguments by rope."""
+    end_B: jax.Array
+    positions_BT: jax.Array
+    masks: dict
+    fused_args: dict | None
+
+
+def _windows(cfg: ModelConfig) -> set:
+    return {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
+
+
+def _rolled(tokens_BT, start_B):
+    """A fresh prefill's tokens, each row rotated left by its padding (see `_hidden`), and the
+    indices that rotate them back."""
+    T = tokens_BT.shape[1]
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    roll_BT = (t_T[None, :] + start_B[:, None]) % T
+    return jnp.take_along_axis(tokens_BT, roll_BT, axis=1), (t_T[None, :] - start_B[:, None]) % T
+
+
+def _warm_rows(cfg: ModelConfig, plan: StepPlan, start_B, end_B, T: int, length: int, rotation) -> _Rows:
+    """`_Rows` of B rows writing T tokens each at their ends in a cache of `length` slots."""
+    q_slots_BT = end_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # each row writes at its own end
+    # Left padding sits before start; its (unused) positions are clamped to 0.
+    positions_BT = jnp.maximum(q_slots_BT - start_B[:, None], 0)
+    fused_args = None
+    if plan.attention:  # every position's rotation, unless the caller made the table before its loop
+        if rotation is None:
+            rotation = rotation_table(cfg, length)
+        fused_args = {rope: (start_B, table) for rope, table in _rope_tables(cfg, rotation).items()}
+    windows = _windows(cfg)
+    masks = dict.fromkeys(windows) if plan.attention else \
+        {w: L.visible_mask(q_slots_BT, start_B, length, w) for w in windows}
+    return _Rows(end_B, positions_BT, masks, fused_args)
+
+
+def _embed(params: Params, tokens_BT, axis):
+    cfg = params.config
+    x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
+    if cfg.embed_scale:  # Gemma: the factor is rounded to the dtype first, as transformers does
+        x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x_BTD.dtype)
+    return x_BTD
+
+
+def _layer_kv(cache: KVCache) -> list[tuple]:
+    """Each layer's (k, v, k_scale, v_scale) arrays (the scales None unless int8)."""
+    return [(cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i], cache.v_scale and cache.v_scale[i])
+            for i in range(len(cache.k))]
+
+
+def _with_layers(cache: KVCache, new_kv: list[tuple], T: int, B: int) -> KVCache:
+    """`cache` holding each layer's new (k, v, k_scale, v_scale) and its first B rows' ends T on."""
+    k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
+    return cache.replace(k=k, v=v, end=cache.end + T if B == cache.batch else cache.end.at[:B].add(T),
+                         k_scale=None if cache.k_scale is None else k_scale,
+                         v_scale=None if cache.v_scale is None else v_scale)
+
+
+def _layers(params: Params, plan: StepPlan, x_BTD, kvs: list, rows: _Rows, unroll_BT, final_norm: bool,
+            prompts_unroll=None):
+    """Every block over the residual stream x_BTD; returns (x_BTD, normed_BTD, each layer's kv).
+    `final_norm`: the last block may hand the lm_head x through the final norm (a decode step's)."""
+    cfg = params.config
     # No dynamic-NTK stretch: forward and generate keep positions within max_position_embeddings,
     # where transformers leaves the base alone; the cache length (left padding, bucket slack)
     # says nothing about how far positions go. Per rope: Gemma 3's local layers have their own.
     inv_freqs = {rope: jnp.asarray(rope_frequencies(cfg, rope=rope)[0]) for rope in cfg.ropes}
-    windows = {cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)}
-    t_T = jnp.arange(T, dtype=jnp.int32)
-    fused_args = None
-    if fresh:
-        roll_BT = (t_T[None, :] + start_B[:, None]) % T
-        unroll_BT = (t_T[None, :] - start_B[:, None]) % T
-        tokens_BT = jnp.take_along_axis(tokens_BT, roll_BT, axis=1)
-        positions_BT = jnp.broadcast_to(t_T, (B, T))
-        masks = dict.fromkeys(windows)
-    else:
-        unroll_BT = None
-        q_slots_BT = end_B[:, None] + t_T[None, :]  # each row writes at its own end
-        # Left padding sits before start; its (unused) positions are clamped to 0.
-        positions_BT = jnp.maximum(q_slots_BT - start_B[:, None], 0)
-        if plan.attention:  # every position's rotation, unless the caller made the table before its loop
-            if rotation is None:
-                rotation = rotation_table(cfg, cache.length)
-            fused_args = {rope: (start_B, table) for rope, table in _rope_tables(cfg, rotation).items()}
-        masks = dict.fromkeys(windows) if plan.attention else \
-            {w: L.visible_mask(q_slots_BT, start_B, cache.length, w) for w in windows}
-    x_BTD = L.embed_lookup(params.embed, tokens_BT, axis, cfg.vocab_size)
-    if cfg.embed_scale:  # Gemma: the factor is rounded to the dtype first, as transformers does
-        x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x_BTD.dtype)
     normed_BTD = None
     head_VD = params.embed if params.lm_head is None else params.lm_head
     # What the residual stream feeds after each layer: the next layer's qkv, or after the last
     # layer the lm_head (in a decode step; a prefill's final norm takes its last position only).
     nexts = [(nxt.attn_norm, nxt.wqkv) for nxt in params.layers[1:]]
-    nexts.append((params.final_norm if T == 1 else None, head_VD))
+    nexts.append((params.final_norm if final_norm else None, head_VD))
     down_bounds = kernels.down_bounds([params.layers[i].w_gate_up for i in plan.down_layers]) \
         if plan.down_layers else None
     new_kv = []
-    for i, (layer, lp) in enumerate(zip(params.layers, plan.layers)):
-        kv = (cache.k[i], cache.v[i], cache.k_scale and cache.k_scale[i],
-              cache.v_scale and cache.v_scale[i])
+    for i, (layer, lp, kv) in enumerate(zip(params.layers, plan.layers, kvs)):
         next_norm, next_w = nexts[i]
         inputs = StepInputs(
-            end_B, positions_BT, masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT,
-            None if fused_args is None else fused_args[cfg.rope_of(i)],
+            rows.end_B, rows.positions_BT, rows.masks[lp.window], inv_freqs[cfg.rope_of(i)], unroll_BT,
+            None if rows.fused_args is None else rows.fused_args[cfg.rope_of(i)],
             next_norm,
             # What down's kernel asks L2 for, None where nothing is: a step without prefetches then
             # traces its layers as one kind (the last one's next matrix, the lm_head, differs).
             next_w if lp.prefetch[3] else None,
-            (down_bounds, jnp.int32(plan.down_layers.index(i))) if lp.down_digits else None)
+            (down_bounds, jnp.int32(plan.down_layers.index(i))) if lp.down_digits else None,
+            prompts_unroll)
         with jax.named_scope(f"layer_{i}"):
             x_BTD, normed_BTD, kv = _block(layer, x_BTD, normed_BTD, kv, inputs, plan=lp)
         new_kv.append(kv)
-    if fresh:
-        x_BTD, normed_BTD = (None if a is None else jnp.take_along_axis(a, unroll_BT[:, :, None], axis=1)
-                             for a in (x_BTD, normed_BTD))
-    k, v, k_scale, v_scale = ([kv[j] for kv in new_kv] for j in range(4))
-    cache = cache.replace(k=k, v=v, end=cache.end + T if B == cache.batch else cache.end.at[:B].add(T),
-                          k_scale=None if cache.k_scale is None else k_scale,
-                          v_scale=None if cache.v_scale is None else v_scale)
-    return x_BTD, normed_BTD, cache
+    return x_BTD, normed_BTD, new_kv
 
 
 @partial(jax.jit, inline=True, static_argnames=("plan",))
@@ -283,9 +354,12 @@ def _block(layer: Layer, x_BTD, normed_BTD, kv, inputs: StepInputs, *, plan: Lay
         qkv_BTKJH = _normed_project(how, x_BTD, normed_BTD, layer.wqkv, layer.attn_norm, eps,
                                     offset, bias_N=bias, prefetch=(layer.wo,) if wo_ahead else (),
                                     weights_first=first)
-        heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, inputs.positions_BT, kv,
-                                         inputs.end_B, inputs.mask_BTS, inputs.inv_freq,
-                                         plan.rope_scale, plan.window, inputs.unroll_BT, fused)
+        if inputs.prompts_unroll is None:
+            heads_BTC, kv = _attention_block(cfg, layer, qkv_BTKJH, inputs.positions_BT, kv,
+                                             inputs.end_B, inputs.mask_BTS, inputs.inv_freq,
+                                             plan.rope_scale, plan.window, inputs.unroll_BT, fused)
+        else:
+            heads_BTC, kv = _mixed_attention(cfg, layer, qkv_BTKJH, kv, inputs, plan, fused)
         if how.family:  # with the FFN's norm in gate/up's kernel, o's kernel adds the residual
             wo_DC = layer.wo.reshape(layer.wo.shape[0], -1)
             out_BTD = _project(how, heads_BTC, wo_DC, bias_N=layer.bo,
@@ -449,6 +523,47 @@ def step(params: Params, tokens_BT, cache: KVCache, fresh: bool = False, rotatio
                                        params, tokens_BT, cache, logits_ndim=3 if all_logits else 2)
         return _step_local(params, tokens_BT, cache, fresh=fresh, rotation=rotation,
                            all_logits=all_logits)
+
+
+def mixed_plan(params: Params, decode_rows: int, prompts: int, width: int, cache: KVCache) -> StepPlan:
+    """A `mixed_step`'s plan: the prompts' prefill plan (every matrix XLA's: n + b*W rows), its
+    attention the decode step's (the kernel where a decode step of `decode_rows` rows takes it)."""
+    kv_int8 = cache.k_scale is not None
+    decode = step_plan(params, decode_rows, 1, cache_length=cache.length, kv_int8=kv_int8)
+    prompts_plan = step_plan(params, prompts, width, fresh=True, cache_length=width, kv_int8=kv_int8)
+    return dataclasses.replace(
+        prompts_plan, attention=decode.attention,
+        layers=tuple(dataclasses.replace(lp, attention=d.attention) for lp, d in zip(prompts_plan.layers, decode.layers)))
+
+
+def mixed_step(params: Params, tokens_n, cache: KVCache, prompts_bW, start_b, rotation=None):
+    """A decode step and a prefill in one pass (vLLM's mixed batches): one token for each of the
+    cache's first n rows, as `step(params, tokens_n[:, None], cache)`, and b left-padded prompts
+    (their padding before start_b), as `step(params, prompts_bW, <empty b-row cache of W slots>,
+    fresh=True)`. Every matrix multiplies the n + b*W rows at once, reading its weights once for
+    both; only the attention is apart (`_mixed_attention`).
+
+    Returns (logits [n, V], the prompts' last-position logits [b, V], cache, the prompts' b-row
+    cache of W slots), for the caller to insert those rows where it wants them. Unsharded params;
+    unchecked as `step`."""
+    cfg = params.config
+    n, (b, W) = tokens_n.shape[0], prompts_bW.shape
+    plan = mixed_plan(params, n, b, W, cache)
+    start_n, end_n = (x if x.shape[0] == n else x[:n] for x in (cache.start, cache.end))
+    rows = _warm_rows(cfg, plan, start_n, end_n, 1, cache.length, rotation)
+    prompts_bW, unroll_bW = _rolled(prompts_bW, start_b)
+    kv_dtype = "int8" if cache.k_scale is not None else None
+    prompts = init_cache(cfg, b, W, params.dtype, start_b, kv_dtype=kv_dtype)
+    with jax.named_scope("mixed"):
+        x_1MD = _embed(params, jnp.concatenate([tokens_n, prompts_bW.reshape(b * W)])[None], None)
+        x_1MD, _, new_kv = _layers(params, plan, x_1MD, list(zip(_layer_kv(cache), _layer_kv(prompts))), rows,
+                                   None, final_norm=False, prompts_unroll=unroll_bW)
+        # each prompt's last token: rotated left by its padding, it sits at W - 1 - start
+        last_b = n + jnp.arange(b, dtype=jnp.int32) * W + W - 1 - start_b
+        logits_1RV = logits(params, jnp.concatenate([x_1MD[:, :n], x_1MD[:, last_b]], axis=1), plan.head)
+    cache = _with_layers(cache, [kv[0] for kv in new_kv], 1, n)
+    prompts = _with_layers(prompts, [kv[1] for kv in new_kv], W, b)
+    return logits_1RV[0, :n], logits_1RV[0, n:], cache, prompts
 
 
 def _donate_cache() -> tuple[int, ...]:
