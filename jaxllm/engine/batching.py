@@ -10,7 +10,8 @@ of S slots each (S = max_context plus the left padding a prompt bucket adds), on
   cache, in one jitted, donated call. A longer prompt is prefilled chunk by chunk in a one-row
   staging cache (one chunk between two decode steps, so running streams never wait for a whole
   long prompt; short prompts' prefills take turns with its chunks), and its last chunk inserts
-  the row;
+  the row; with `mixed_prefill`, one such prompt admitted while the largest decode bucket runs
+  is prefilled inside that decode step's call (`transformer.mixed_step`), not beside it;
 - one jitted decode step advances every row (free rows are computed and ignored; their bounds are
   reset to [0, 0), so they write slot 0 and read nothing else); a finished or aborted row is free
   for the next insert at once;

@@ -121,8 +121,9 @@ setp.ne.s32 p, $2, 0;
 @p cp.async.bulk.prefetch.L2.global [$1], $2;
 mov.b32 $0, 0;
 }"""
-# Where a layer's weights come from HBM (not `weights_first`), the kernel asks a line at a time# A line at a time (prefetch.global.L2::evict_last): the bulk copy holds the asking kernel open until
-# what it asked for has come, a line asked for does not.
+# Where a layer's weights come from HBM (not `weights_first`), the kernel asks a line at a time
+# (prefetch.global.L2::evict_last): the bulk copy holds the asking kernel open until what it asked
+# for has come, a line asked for does not.
 PREFETCH_LINE_COUNT = 16  # lines one lane asks for, at most: a matrix needing more is not asked for
 _PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
     f"setp.gt.s32 p, $2, {128 * i};\n@p prefetch.global.L2::evict_last [$1+{128 * i}];\n"
