@@ -313,3 +313,31 @@ def test_a_failing_engine_thread_ends_every_request_with_an_error(params):
         assert "injected engine failure" in c.events[-1].error
     assert failures and not e.ready
     e.shutdown(1)
+
+
+@pytest.mark.slow
+def test_without_mixed_prefill_the_same_tokens_come_from_fewer_programs(params):
+    """`mixed_prefill=False` (`jaxllm serve --no-mixed-prefill`): no step carries a prompt, the
+    warm-up leaves out the mixed programs (two a prompt width), and every request gets the tokens
+    it gets with mixed steps. A config no other test uses, so that no program is compiled before."""
+    rng = random.Random(3)
+    jobs = [(_prompt(rng, rng.randrange(1, 30)), rng.randrange(1, 20)) for _ in range(8)]
+    got, stats = {}, {}
+    for mixed in (False, True):  # the second compiles only what the first did not (jit's cache)
+        e = jaxllm.Engine(params, max_slots=2, max_context=100, prefill_chunk=32, prefill_batches=(1,),
+                          mixed_prefill=mixed)
+        e.start()
+        try:
+            cs = [Collector() for _ in jobs]
+            for (prompt, n), c in zip(jobs, cs):
+                e.submit(Request(prompt, n, ignore_eos=True), c)
+            got[mixed] = [c.wait().tokens for c in cs]
+            stats[mixed] = _wait_idle(e)
+        finally:
+            e.shutdown(10)
+    assert got[False] == got[True]
+    assert stats[True]["mixed_steps"] > 0 and stats[False]["mixed_steps"] == 0
+    widths = 2  # prompt buckets 16 and 32 (the chunk)
+    assert stats[False]["warmup_compilations"] > 0 and stats[True]["warmup_compilations"] == 2 * widths
+    prompt, n = jobs[0]
+    assert got[False][0] == _alone(params, prompt, n)

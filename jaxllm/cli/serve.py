@@ -40,6 +40,10 @@ def add_serve(subparsers) -> None:
                    help="prompts longer than this are prefilled N tokens at a time between decode steps, "
                         "shorter ones batched up to N tokens (a power of two >= 16 or a multiple of 1024; "
                         "default: 512)")
+    p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false",
+                   help="prefill every prompt in a call of its own, never inside a decode step: a cold start "
+                        "compiles two programs fewer a prompt width (seconds each on a GPU); steps under "
+                        "load run a few percent slower")
     p.add_argument("--max-queued", type=positive_int, default=64, metavar="N",
                    help="requests waiting for a slot before more get 429 (default: 64)")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -105,7 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # the model's stop ids join these when it is loaded (cli.stop_ids)
     engine = BatchingEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_slots=max_slots,
                             max_context=args.max_context, max_queued=args.max_queued,
-                            prefill_chunk=args.prefill_chunk,
+                            prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill,
                             speculative=draft if args.draft_model else args.speculate,
                             num_speculative=args.num_speculative)
     failure: list[str] = []
