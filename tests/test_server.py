@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -440,8 +441,8 @@ def test_a_stream_that_falls_behind_sends_each_token_once_and_one_finish(params,
 
 
 def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
-    """`jaxllm serve` as users run it: /health 503 then 200; on SIGTERM an answer in flight still
-    completes, and the process exits 0."""
+    """`jaxllm serve` as users run it: /health 503 (saying what the start is doing) then 200, and
+    the log says it too; on SIGTERM an answer in flight still completes, and the process exits 0."""
     import os
     import signal
     import subprocess
@@ -459,16 +460,22 @@ def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
                 conn.request("GET", "/health")
-                return conn.getresponse().status
+                r = conn.getresponse()
+                return r.status, r.read()
             except OSError:
-                return None
+                return None, None
         deadline = time.monotonic() + 300
         seen = set()
-        while (status := health()) != 200:
-            seen.add(status)
+        while (status := health())[0] != 200:
+            seen.add(status[0])
+            if status[0] == 503:
+                message = json.loads(status[1])["error"]["message"]
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.5)
         assert 503 in seen  # answered while loading and compiling
+        # the last 503's: what the start was doing (it compiles for seconds here, minutes on a GPU)
+        assert re.fullmatch(r"the server is loading \((model loaded in .* s|compiling \d+ programs|"
+                            r"compiled \d+ (of \d+ )?programs in .* s.*)\)", message), message
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         prompt = "Once upon a time"
         stream = iter(c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24,
@@ -484,6 +491,10 @@ def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
         ids = tok.encode(prompt, add_special_tokens=True)
         assert text == tok.decode(_greedy(params, ids, 24), True)
         assert proc.wait(60) == 0
+        log = proc.stdout.read().decode()
+        for said in ("jaxllm: loading the model", "jaxllm: model loaded in", "jaxllm: compiling",
+                     "jaxllm: compiled", "jaxllm: ready in"):
+            assert said in log
     finally:
         if proc.poll() is None:
             proc.kill()

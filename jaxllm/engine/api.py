@@ -92,6 +92,8 @@ class Engine(Protocol):
 
     max_context: int  # prompt + max_tokens of one request, at most
     on_failure: Callable[[str], None] | None  # called once, on the engine thread, if it fails
+    # set by its owner before `start`: what start is doing, a line at a time, on start's thread
+    on_progress: Callable[[str], None] | None
 
     @property
     def ready(self) -> bool: ...

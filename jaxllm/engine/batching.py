@@ -568,6 +568,7 @@ class BatchingEngine:
         self.mixed_prefill = bool(mixed_prefill)
         self.time_device_every = time_device_every
         self.on_failure: Callable[[str], None] | None = None
+        self.on_progress: Callable[[str], None] | None = None
         self._cond = threading.Condition(threading.RLock())
         self._waiting: collections.deque[_Running] = collections.deque()
         self._aborts: set[int] = set()
@@ -602,9 +603,12 @@ class BatchingEngine:
 
     def start(self) -> None:
         _counting.engine = self
+        started = time.perf_counter()
         try:
             if self._params is None:
+                self._say("loading the model")
                 self._params = self._load()
+                self._say(f"model loaded in {time.perf_counter() - started:.1f} s")
             if self._draft is not None:
                 if self._params.tp is not None:
                     raise ValueError("the serving engine runs a draft model with unsharded params only")
@@ -641,6 +645,10 @@ class BatchingEngine:
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._ready = True
         self._thread.start()
+
+    def _say(self, message: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(message)
 
     def submit(self, request: Request, on_event: OnEvent) -> int:
         if len(request.prompt) + request.max_tokens > self.max_context:
@@ -754,42 +762,56 @@ class BatchingEngine:
         """Run every program once on padding rows (dropped) and free rows: prefill for each width
         and batch size, the chunk programs, the four decode programs of each decode bucket (and
         the four speculative ones of each bucket that speculates), and a mixed step's two (greedy
-        or every filter) for each width in each bucket that mixes."""
+        or every filter) for each width in each bucket that mixes. Says how far it is (`on_progress`)
+        every 10 s: a GPU's cold start compiles for minutes."""
         B = self.max_slots
         pad = self._params.config.pad_id
+        runs = []  # each runs one program once
         for width in self._widths():
             for b in self._batch_sizes(width):
-                self._rows, self._next, *_ = self._prefill_fn(
-                    self._params, self._rows, self._next, np.full((b, width), pad, np.int32),
-                    np.zeros((b,), np.int32), np.full((b,), B, np.int32), _sampling_values([None] * b), self._draft)
+                runs.append(partial(self._advance, self._prefill_fn, np.full((b, width), pad, np.int32),
+                                    np.zeros((b,), np.int32), np.full((b,), B, np.int32),
+                                    _sampling_values([None] * b), self._draft))
         if self.max_context > self.prefill_chunk:
-            C = self.prefill_chunk
-            tokens = np.full((1, C), pad, np.int32)
-            self._stage = self._chunk_fns[True](self._params, self._stage, tokens, np.zeros((1,), np.int32),
-                                                self._draft)
-            self._stage = self._chunk_fns[False](self._params, self._stage, tokens, None, self._draft)
-            self._rows, self._next, *_ = self._chunk_insert_fn(
-                self._params, self._rows, self._next, self._stage, tokens, np.int32(0), _sampling_values([None]),
-                self._draft)
+            tokens = np.full((1, self.prefill_chunk), pad, np.int32)
+            runs.append(partial(self._stage_chunk, True, tokens, np.zeros((1,), np.int32)))
+            runs.append(partial(self._stage_chunk, False, tokens, None))
+            # the stage as the two chunks leave it, read when this runs
+            runs.append(lambda: self._advance(self._chunk_insert_fn, self._stage, tokens, np.int32(0),
+                                              _sampling_values([None]), self._draft))
         for n in self._decode_rows:
             for flags in (GREEDY, EVERY):
                 for logprobs in (False, True):
-                    self._rows, self._next, *_ = self._decode_fn(
-                        self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
-                        flags=flags, logprobs=logprobs)
+                    runs.append(partial(self._advance, self._decode_fn, np.zeros((n,), bool), self._rotation,
+                                        flags=flags, logprobs=logprobs))
                     if n in self._spec_rows:
-                        self._rows, self._next, *_ = self._speculate_fn(
-                            self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation, self._knobs,
-                            self._draft,
-                            flags=flags, logprobs=logprobs, k=self._spec.k, proposer=self._spec.proposer)
+                        runs.append(partial(self._advance, self._speculate_fn, np.zeros((n,), bool), self._rotation,
+                                            self._knobs, self._draft, flags=flags, logprobs=logprobs,
+                                            k=self._spec.k, proposer=self._spec.proposer))
         for n in self._mixed_rows:
             for width in self._widths():
                 for flags in (GREEDY, EVERY):
-                    self._rows, self._next, *_ = self._mixed_fn(
-                        self._params, self._rows, self._next, np.zeros((n,), bool), self._rotation,
-                        np.full((1, width), pad, np.int32), np.zeros((1,), np.int32), np.full((1,), B, np.int32),
-                        _sampling_values([None]), self._draft, flags=flags)
+                    runs.append(partial(self._advance, self._mixed_fn, np.zeros((n,), bool), self._rotation,
+                                        np.full((1, width), pad, np.int32), np.zeros((1,), np.int32),
+                                        np.full((1,), B, np.int32), _sampling_values([None]), self._draft,
+                                        flags=flags))
+        self._say(f"compiling {len(runs)} programs")
+        started = said = time.perf_counter()
+        for i, run in enumerate(runs, 1):
+            run()
+            if time.perf_counter() - said >= 10 and i < len(runs):
+                said = time.perf_counter()
+                self._say(f"compiled {i} of {len(runs)} programs in {said - started:.0f} s")
         jax.block_until_ready(self._rows)
+        self._say(f"compiled {len(runs)} programs in {time.perf_counter() - started:.1f} s "
+                  f"({self._compilations} compilations)")
+
+    def _advance(self, program, *args, **kwargs) -> None:
+        """Run a program that takes and gives back (rows, next, ...) on the engine's state."""
+        self._rows, self._next, *_ = program(self._params, self._rows, self._next, *args, **kwargs)
+
+    def _stage_chunk(self, first: bool, tokens, start) -> None:
+        self._stage = self._chunk_fns[first](self._params, self._stage, tokens, start, self._draft)
 
     # --- the engine thread --------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import collections
 import hashlib
 import hmac
 import json
+import logging
 import sys
 import threading
 import time
@@ -35,6 +36,8 @@ from jaxllm.server.metrics import Metrics
 from jaxllm.server.protocol import APIError, Job, Limits, chat_job, completion_job
 from jaxllm.text.detokenize import Detokenizer, StopMatcher
 
+_log = logging.getLogger("uvicorn.error")  # uvicorn's own lines: `jaxllm serve` prints them
+
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 SWITCH_INTERVAL_S = 0.0005  # the longest the engine thread waits for the interpreter lock
 
@@ -51,6 +54,7 @@ class ServerState:
         self.on_fatal = on_fatal
         self.metrics = Metrics(engine)
         self.phase = "loading"
+        self.progress: str | None = None  # the engine's start, in its words (/health while loading)
         self.failure: str | None = None
         self.limits: Limits | None = None
         self.created = int(time.time())
@@ -66,6 +70,7 @@ class ServerState:
         self.limits = Limits(self.model, self.tokenizer, self.engine.max_context, self.max_n, self.eos)
         if self.phase == "loading":
             self.phase = "ready"
+            _log.info("jaxllm: ready in %.1f s", time.time() - self.created)
 
     def fail(self, message: str) -> None:
         if self.phase == "failed":
@@ -474,6 +479,11 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
         sys.setswitchinterval(min(switch, SWITCH_INTERVAL_S))
         engine.on_failure = lambda message: loop.call_soon_threadsafe(state.fail, message)
 
+        def progress(message: str) -> None:  # a cold start on a GPU compiles for minutes: say so
+            state.progress = message
+            _log.info("jaxllm: %s", message)
+        engine.on_progress = progress
+
         def start() -> None:
             try:
                 if start_engine:
@@ -512,7 +522,8 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
     async def health():
         if state.phase == "ready" and engine.ready:
             return Response(status_code=200)
-        return JSONResponse(APIError(503, f"the server is {state.phase}").body(), status_code=503)
+        doing = f" ({state.progress})" if state.phase == "loading" and state.progress else ""
+        return JSONResponse(APIError(503, f"the server is {state.phase}{doing}").body(), status_code=503)
 
     @app.get("/metrics")
     async def metrics():
