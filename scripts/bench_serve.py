@@ -547,6 +547,7 @@ def main(argv=None) -> int:
                       time_device_every=args.time_device_every,
                       **(dict(speculative=speculative, num_speculative=args.num_speculative)
                          if speculative is not None else {}))
+        engine.on_progress = lambda message: log(f"engine: {message}")
         started = time.perf_counter()
         engine.start()
         label["warmup_s"] = round(time.perf_counter() - started, 2)
