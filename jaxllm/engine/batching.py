@@ -811,6 +811,7 @@ class BatchingEngine:
         self._rows, self._next, *_ = program(self._params, self._rows, self._next, *args, **kwargs)
 
     def _stage_chunk(self, first: bool, tokens, start) -> None:
+        """Prefill a chunk into the staging cache (`start`: the first chunk's padding, else None)."""
         self._stage = self._chunk_fns[first](self._params, self._stage, tokens, start, self._draft)
 
     # --- the engine thread --------------------------------------------------------------------
@@ -1014,8 +1015,7 @@ class BatchingEngine:
             item.chunked += 1
             P = len(item.request.prompt)
             start = np.array([-P % self.prefill_chunk], np.int32)
-            self._stage = self._chunk_fns[first](self._params, self._stage, tokens, start if first else None,
-                                                 self._draft)
+            self._stage_chunk(first, tokens, start if first else None)
             self._counters["chunk_calls"] += 1
             return
         self._rows, self._next, first, lp = self._chunk_insert_fn(
