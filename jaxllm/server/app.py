@@ -58,6 +58,7 @@ class ServerState:
         self.failure: str | None = None
         self.limits: Limits | None = None
         self.created = int(time.time())
+        self._started = time.monotonic()  # `created` is whole seconds (OpenAI's field)
         self._inbox: _Inbox | None = None
 
     def inbox_of(self, loop: asyncio.AbstractEventLoop) -> "_Inbox":
@@ -70,7 +71,7 @@ class ServerState:
         self.limits = Limits(self.model, self.tokenizer, self.engine.max_context, self.max_n, self.eos)
         if self.phase == "loading":
             self.phase = "ready"
-            _log.info("jaxllm: ready in %.1f s", time.time() - self.created)
+            _log.info("jaxllm: ready in %.1f s", time.monotonic() - self._started)
 
     def fail(self, message: str) -> None:
         if self.phase == "failed":
@@ -244,6 +245,7 @@ class _Run:
         self.rids: list[int] = []
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._started = time.monotonic()  # `created` is whole seconds (OpenAI's field)
 
     def submit(self) -> None:
         if self.state.phase != "ready":
