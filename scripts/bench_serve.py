@@ -16,14 +16,17 @@ A seeded workload: --requests requests, input and output lengths uniform in --in
 (inf: all at once). Weights are random of a --preset's shape, or a --model checkpoint.
 
 Modes (--mode, a comma list, run in this order on the same requests):
-  engine  the continuous-batching engine in-process (jaxllm.Engine), no HTTP;
-  http    the same engine behind `jaxllm serve`'s app on uvicorn (127.0.0.1), each request a
-          streaming /v1/completions POST (with stream_options.include_usage) from an asyncio client;
-          its tokenizer is a stand-in that writes each id as text, so every token is one SSE chunk;
-          the client runs in a process of its own;
-  static  `jaxllm.generate` on the requests in arrival order, batches of --max-slots rows, each
-          batch to its longest output (every shape warmed up first; a request's tokens all come
-          when its batch ends: its TTFT is its e2e).
+  http         `jaxllm serve`'s layout: the engine in a process of its own (jaxllm.engine.process),
+               its app on uvicorn (127.0.0.1) in this one, each request a streaming /v1/completions
+               POST (with stream_options.include_usage) from an asyncio client in a third process;
+               its tokenizer is a stand-in that writes each id as text, so every token is one SSE
+               chunk; its own warm-up (the compile cache makes a second one short);
+  engine       the continuous-batching engine in this process (jaxllm.Engine), no HTTP;
+  http-thread  the app over that same engine, in this process: the server and the engine thread
+               share one interpreter (the layout before the engine had a process of its own);
+  static       `jaxllm.generate` on the requests in arrival order, batches of --max-slots rows,
+               each batch to its longest output (every shape warmed up first; a request's tokens
+               all come when its batch ends: its TTFT is its e2e).
 
 JSON keys: mode, preset, model, device, dtype, git, max_slots, max_context, prefill_chunk, mixed_prefill,
 requests, max_concurrency, rate, input_len, output_len, seed, warmup_s, duration_s, input_tokens,
@@ -39,7 +42,7 @@ alone and timed, dispatch included; with --fake-device, its exact time), wall_ov
 target <= 1.10), host_ms_per_step (the loop's time outside its waits on the device),
 device_wait_ms_per_step, device_timed_steps, engine_cpu_ms_per_step (the engine thread's
 processor time) and process_cpu_ms_per_step (this process's: the engine, the server, XLA's
-threads; not the HTTP client's, which runs in a process of its own); for http, http_impl
+threads; in http mode the server's alone; never the HTTP client's); for http modes, http_impl
 (uvicorn's HTTP layer: httptools, or h11 when httptools is not installed); errors.
 
 --fake-device MS measures the host side alone, on any machine: the engine's device programs are
@@ -88,6 +91,9 @@ def _rates(text: str) -> tuple[float, ...]:
     return values
 
 
+MODES = ("http", "engine", "http-thread", "static")  # the order they run in
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,7 +118,7 @@ def parse_args(argv):
                    help="at most N requests in flight (engine and http modes): a request that arrives "
                         "while N run is sent when one ends, its latencies from then (1: a lone stream)")
     p.add_argument("--mode", default="engine,http,static",
-                   help="a comma list of engine, http, static (default: all three)")
+                   help="a comma list of engine, http, http-thread, static (default: engine,http,static)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds a mode may take (default: 3600)")
     p.add_argument("--time-device-every", type=int, default=16, metavar="K",
                    help="time one engine iteration in K alone on the device (0: never; default: 16)")
@@ -128,9 +134,9 @@ def parse_args(argv):
                    help="drafts a row a step (default: 7 for ngram, 3 for a draft)")
     args = p.parse_args(argv)
     modes = args.mode.split(",")
-    if not modes or any(m not in ("engine", "http", "static") for m in modes):
-        p.error(f"--mode must be a comma list of engine, http, static, got {args.mode}")
-    args.modes = [m for m in ("engine", "http", "static") if m in modes]
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--mode must be a comma list of {', '.join(MODES)}, got {args.mode}")
+    args.modes = [m for m in MODES if m in modes]
     if args.requests < 1 or args.max_slots < 1 or args.max_context < 2:
         p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -147,7 +153,7 @@ def parse_args(argv):
     if args.draft_model is not None and not Path(args.draft_model).exists():
         p.error(f"--draft-model: no model at {args.draft_model!r}")
     if args.fake_device is not None and "static" in args.modes:
-        p.error("--fake-device fakes the engine's programs: --mode engine, http or both")
+        p.error("--fake-device fakes the engine's programs: --mode engine, http, http-thread")
     return args
 
 
@@ -511,79 +517,132 @@ def _git() -> str | None:
         return None
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def _params(args, dtype: str):
+    """The target's params: random of --preset's shape (seeded), or --model's."""
+    import jax
+
+    import jaxllm
+    from jaxllm.tools import presets
+
+    if args.model:
+        return jaxllm.load(args.model, dtype=dtype)
+    return presets.random_params(presets.get_config(args.preset), seed=args.seed, dtype=jax.numpy.dtype(dtype))
+
+
+def bench_engine(args, params=None):
+    """The engine the engine and http modes run (built in the process that runs it: params are not
+    sent between processes)."""
     import jax
 
     import jaxllm
     from jaxllm.engine.batching import BatchingEngine
     from jaxllm.tools import presets
 
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    if args.model:
-        params = jaxllm.load(args.model, dtype=dtype)
-    else:
-        params = presets.random_params(presets.get_config(args.preset), seed=args.seed, dtype=jax.numpy.dtype(dtype))
-    cfg = params.config
-    label = dict(preset=None if args.model else args.preset, model=args.model, device=str(jax.devices()[0]),
-                 dtype=dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
-                 prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill, requests=args.requests,
-                 max_concurrency=args.max_concurrency,
-                 input_len=list(args.input_len),
-                 output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
-                 speculate=args.speculate or args.draft_model or args.draft_preset,
-                 num_speculative=args.num_speculative)
+    dtype = _dtype(args)
+    params = params if params is not None else _params(args, dtype)
     speculative = args.speculate
     if args.draft_model:
         speculative = jaxllm.load(args.draft_model, dtype=dtype)
     elif args.draft_preset:
         speculative = presets.random_params(presets.get_config(args.draft_preset), seed=args.seed + 1,
                                             dtype=jax.numpy.dtype(dtype))
+    kind = BatchingEngine if args.fake_device is None else fake_device_engine(args.fake_device)
+    return kind(params, max_slots=args.max_slots, max_context=args.max_context, max_queued=args.requests,
+                prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill,
+                time_device_every=args.time_device_every,
+                **(dict(speculative=speculative, num_speculative=args.num_speculative)
+                   if speculative is not None else {}))
+
+
+def _dtype(args) -> str:
+    import jax
+    return args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+
+
+def _vocab(args) -> int:
+    """The range of the workload's token ids, known without touching a device."""
+    if args.model:
+        import jaxllm
+        return jaxllm.load_tokenizer(args.model).vocab_size
+    from jaxllm.tools import presets
+    return presets.get_config(args.preset).vocab_size
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from functools import partial
+
+    from jaxllm.engine.process import ProcessEngine
+
+    vocab = _vocab(args)
+    label = dict(preset=None if args.model else args.preset, model=args.model, device=None,
+                 dtype=args.dtype, git=_git(), max_slots=args.max_slots, max_context=args.max_context,
+                 prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill, requests=args.requests,
+                 max_concurrency=args.max_concurrency,
+                 input_len=list(args.input_len),
+                 output_len=list(args.output_len), seed=args.seed, fake_device_ms=args.fake_device,
+                 speculate=args.speculate or args.draft_model or args.draft_preset,
+                 num_speculative=args.num_speculative)
     engine = None
-    if {"engine", "http"} & set(args.modes):
-        kind = BatchingEngine if args.fake_device is None else fake_device_engine(args.fake_device)
-        engine = kind(params, max_slots=args.max_slots, max_context=args.max_context, max_queued=args.requests,
-                      prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill,
-                      time_device_every=args.time_device_every,
-                      **(dict(speculative=speculative, num_speculative=args.num_speculative)
-                         if speculative is not None else {}))
-        engine.on_progress = lambda message: log(f"engine: {message}")
-        started = time.perf_counter()
-        engine.start()
-        label["warmup_s"] = round(time.perf_counter() - started, 2)
-        log(f"engine ready in {label['warmup_s']} s, {engine.stats()['compilations']} compilations")
+
+    def started(e) -> None:
+        e.on_progress = lambda message: log(f"engine: {message}")
+        begun = time.perf_counter()
+        e.start()
+        label["warmup_s"] = round(time.perf_counter() - begun, 2)
+        log(f"engine ready in {label['warmup_s']} s, {e.stats()['compilations']} compilations")
+
     def emit(mode, rate, jobs, result, before, cpu):
         records, duration, errors = result
         label["rate"] = None if math.isinf(rate) else rate
         line = dict(mode=mode, **label, **summarize(jobs, records, duration, streamed=mode != "static"))
         if mode != "static":
             line.update(engine_fields(before, engine.stats(), time.process_time() - cpu, args.fake_device))
-        if mode == "http":  # uvicorn's HTTP layer: httptools when installed, else h11 (pure Python, slower)
+        if mode.startswith("http"):  # uvicorn's HTTP layer: httptools when installed, else h11 (pure Python, slower)
             line["http_impl"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
         line["errors"] = errors[:5] + ([f"... {len(errors) - 5} more"] if len(errors) > 5 else [])
         print(json.dumps(line), flush=True)
 
     def each_rate(mode, run):
         for rate in args.rate:
-            jobs = workload(args, cfg.vocab_size, rate)
+            jobs = workload(args, vocab, rate)
             log(f"{mode}: {len(jobs)} requests, rate {rate}")
             before, cpu = engine.stats(), time.process_time()
             emit(mode, rate, jobs, run(jobs), before, cpu)
 
-    # every rate in engine mode, then in http mode (one server), then static once (on the first
-    # rate's requests: static mode ignores arrival times)
+    # http first, as `jaxllm serve` runs: the engine in a process of its own, which gets the whole
+    # device while this process has not touched it; then every rate in engine mode and http-thread
+    # mode (one engine, in this process), then static once (on the first rate's requests: static
+    # mode ignores arrival times)
+    if "http" in args.modes:
+        engine = ProcessEngine(partial(bench_engine, args), max_queued=args.requests)
+        started(engine)
+        label["device"] = engine.info["device"]
+        label["dtype"] = args.dtype or ("bfloat16" if engine.info["platform"] == "gpu" else "float32")
+        with http_server(engine, vocab) as port:  # which shuts the engine down at its end
+            each_rate("http", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
+        engine = None
+    if not {"engine", "http-thread", "static"} & set(args.modes):
+        return 0
+    import jax
+    label["dtype"] = _dtype(args)
+    label["device"] = str(jax.devices()[0])
+    params = _params(args, label["dtype"])
+    if {"engine", "http-thread"} & set(args.modes):
+        engine = bench_engine(args, params)
+        started(engine)
     if "engine" in args.modes:
         each_rate("engine", lambda jobs: run_engine(engine, jobs, args.timeout, args.max_concurrency))
-    if "http" in args.modes:
-        with http_server(engine, cfg.vocab_size) as port:  # which shuts the engine down at its end
-            each_rate("http", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
+    if "http-thread" in args.modes:
+        with http_server(engine, vocab) as port:  # which shuts the engine down at its end
+            each_rate("http-thread", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
         engine = None
     if "static" in args.modes:
         if engine is not None:  # its cache goes before generate's batches need the memory
             engine.shutdown(10)
             engine = None
             gc.collect()
-        jobs = workload(args, cfg.vocab_size, args.rate[0])
+        jobs = workload(args, vocab, args.rate[0])
         log(f"static: {len(jobs)} requests")
         emit("static", args.rate[0], jobs, run_static(params, jobs, args.max_slots), None, None)
     if engine is not None:

@@ -22,13 +22,14 @@ def _bench_serve(*args) -> list[dict]:
 @pytest.mark.slow
 def test_bench_serve_runs_every_mode_on_the_same_requests():
     lines = _bench_serve("--preset", "tiny", "--requests", "6", "--max-slots", "4", "--max-context", "128",
-                         "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--rate", "50")
-    assert [line["mode"] for line in lines] == ["engine", "http", "static"]
+                         "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--rate", "50",
+                         "--mode", "static,http-thread,engine,http")
+    assert [line["mode"] for line in lines] == ["http", "engine", "http-thread", "static"]
     tokens = {line["output_tokens"] for line in lines}
     assert len(tokens) == 1 and tokens.pop() > 6  # every mode made every request's tokens
     for line in lines:
         assert line["errors"] == [] and line["ttft_ms_p50"] > 0
-    for line in lines[:2]:
+    for line in lines[:3]:
         assert line["compilations_during_run"] == 0
         assert line["decode_steps"] > 0 and 0 < line["mean_occupancy"] <= 1
         assert line["mean_occupancy"] * line["max_slots"] <= line["mean_computed_rows"] <= line["max_slots"]
@@ -43,8 +44,8 @@ def test_bench_serve_fake_device_runs_the_host_side_alone():
     lines = _bench_serve("--preset", "tiny", "--requests", "12", "--max-slots", "4", "--max-context", "128",
                          "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--fake-device", "1",
                          "--mode", "engine,http", "--rate", "400,800")
-    assert [(line["mode"], line["rate"]) for line in lines] == [("engine", 400), ("engine", 800), ("http", 400),
-                                                               ("http", 800)]
+    assert [(line["mode"], line["rate"]) for line in lines] == [("http", 400), ("http", 800), ("engine", 400),
+                                                               ("engine", 800)]
     for line in lines:
         assert line["errors"] == [] and line["fake_device_ms"] == 1
         assert line["output_tokens"] == lines[0]["output_tokens"] > 12
@@ -73,7 +74,7 @@ def test_bench_serve_max_concurrency_one_is_a_lone_stream():
     lines = _bench_serve("--preset", "tiny", "--requests", "4", "--max-slots", "4", "--max-context", "128",
                          "--prefill-chunk", "32", "--input-len", "4,16", "--output-len", "4,16", "--fake-device", "1",
                          "--mode", "engine,http", "--max-concurrency", "1")
-    assert [line["mode"] for line in lines] == ["engine", "http"]
+    assert [line["mode"] for line in lines] == ["http", "engine"]
     for line in lines:
         assert line["errors"] == [] and line["max_concurrency"] == 1
         assert line["mean_occupancy"] * line["max_slots"] == pytest.approx(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 
@@ -71,12 +72,10 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import jaxllm
-    from jaxllm.cli.common import UsageError, _model_path, load_draft, load_model
+    from jaxllm.cli.common import UsageError, _model_path
     from jaxllm.io import paths
-    import jax
-
-    from jaxllm.engine.batching import BatchingEngine
     from jaxllm.engine.generate import bucket
+    from jaxllm.engine.process import ProcessEngine
     from jaxllm.server.app import create_app
 
     if args.prefill_chunk < 16 or bucket(args.prefill_chunk) != args.prefill_chunk:
@@ -92,26 +91,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError("--draft-model runs on one device: it cannot be combined with --tp yet")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
-    # A GPU's decode step costs about the same for 1 or 64 rows (it reads the weights once); a CPU's
-    # grows with the rows.
-    max_slots = args.max_slots or (64 if jax.default_backend() == "gpu" else 8)
     path = _model_path(args.model)
     tok = jaxllm.load_tokenizer(path)
     name = args.served_model_name or (Path(path).stem if path != paths.default_model_path() else
                                       "SmolLM2-135M-Instruct")
-
-    def load():  # on the engine's start thread: the server answers /health with 503 meanwhile
-        return load_model(args)[0]
-
-    def draft():  # after load(), on the same thread
-        return load_draft(args)
-
-    # the model's stop ids join these when it is loaded (cli.stop_ids)
-    engine = BatchingEngine(None, load=load, eos_token_ids=tok.eos_token_ids, max_slots=max_slots,
-                            max_context=args.max_context, max_queued=args.max_queued,
-                            prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill,
-                            speculative=draft if args.draft_model else args.speculate,
-                            num_speculative=args.num_speculative)
+    # The engine runs in a process of its own (jaxllm.engine.process): this one serves HTTP and
+    # never touches a device, so the child gets all of its memory.
+    engine = ProcessEngine(partial(make_engine, args, tuple(tok.eos_token_ids)), max_queued=args.max_queued)
     failure: list[str] = []
 
     def on_fatal(message: str) -> None:
@@ -137,3 +123,27 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda sig, frame: None)
     server.run()
     return 1 if failure or not server.started else 0
+
+
+def make_engine(args: argparse.Namespace, eos_token_ids: tuple[int, ...]):
+    """The serving engine of `args`, built in the engine's process: it loads the model in its
+    `start` (the server answers /health with 503 meanwhile); the model's stop ids join
+    `eos_token_ids` then (cli.stop_ids)."""
+    import jax
+
+    from jaxllm.cli.common import load_draft
+    from jaxllm.engine.batching import BatchingEngine
+
+    # A GPU's decode step costs about the same for 1 or 64 rows (it reads the weights once); a CPU's
+    # grows with the rows.
+    max_slots = args.max_slots or (64 if jax.default_backend() == "gpu" else 8)
+    return BatchingEngine(None, load=partial(_load_params, args), eos_token_ids=eos_token_ids,
+                          max_slots=max_slots, max_context=args.max_context, max_queued=args.max_queued,
+                          prefill_chunk=args.prefill_chunk, mixed_prefill=args.mixed_prefill,
+                          speculative=partial(load_draft, args) if args.draft_model else args.speculate,
+                          num_speculative=args.num_speculative)
+
+
+def _load_params(args: argparse.Namespace):
+    from jaxllm.cli.common import load_model
+    return load_model(args)[0]
