@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from functools import partial
 
 import jax.numpy as jnp
@@ -29,6 +30,10 @@ def _make(load=_tiny):
     from jaxllm.engine.batching import BatchingEngine
     return BatchingEngine(None, load=load, max_slots=2, max_context=64, prefill_chunk=16, prefill_batches=(1,),
                           mixed_prefill=False)
+
+
+def _slow():
+    time.sleep(120)
 
 
 def _refuse():
@@ -133,3 +138,23 @@ def test_serve_leaves_the_device_to_the_engine_process():
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backends False" in out.stdout
+
+
+def test_shutdown_while_the_engine_process_starts_stops_it_at_once():
+    """SIGTERM during a cold start (minutes of compilation on a GPU) need not wait for it."""
+    e = ProcessEngine(partial(_make, _slow))
+    errors = []
+
+    def start():
+        try:
+            e.start()
+        except Exception as x:
+            errors.append(x)
+    starter = threading.Thread(target=start)
+    starter.start()
+    time.sleep(1.0)
+    began = time.monotonic()
+    e.shutdown(30)
+    starter.join(30)
+    assert time.monotonic() - began < 10 and not e._process.is_alive()
+    assert [type(x) for x in errors] == [EngineClosed] and not e.ready

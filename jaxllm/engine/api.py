@@ -10,7 +10,8 @@ knows nothing of HTTP, text, stop strings or SSE:
     engine.stats()                         # running, waiting, slots_in_use, compilations, ...
     engine.shutdown(timeout)               # finish or abort everything, stop the thread
 
-`on_event(event)` runs on the engine's thread, so it must be quick and must not block: the server
+`on_event(event)` runs on the engine's thread (jaxllm.engine.process.ProcessEngine's: the thread
+that receives the engine process's events), so it must be quick and must not block: the server
 appends each event to an inbox, and the first of a step's burst wakes its asyncio loop once with
 `loop.call_soon_threadsafe` (no polling). Each step gives each running request one event, so the
 calls a step come together, one per row: what a callback costs, 128 rows pay a step. A request gets

@@ -70,6 +70,10 @@ class ProcessEngine:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
+                self._process.join(5)
+                if self._phase == "closing":  # shutdown stopped it
+                    self._phase = "closed"
+                    raise EngineClosed("the engine was shut down while starting") from None
                 self._phase = "failed"
                 raise RuntimeError(f"the engine process exited while starting "
                                    f"(exit code {self._process.exitcode})") from None
@@ -84,8 +88,10 @@ class ProcessEngine:
                 self.info = message[1]
                 self.max_context, self.max_slots = self.info["max_context"], self.info["max_slots"]
                 break
-        self._phase = "ready"
         self._receiver = threading.Thread(target=self._receive, name="jaxllm-engine-events", daemon=True)
+        with self._lock:
+            if self._phase == "starting":
+                self._phase = "ready"
         self._receiver.start()
 
     def submit(self, request: Request, on_event: OnEvent) -> int:
@@ -115,14 +121,19 @@ class ProcessEngine:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop admitting; the child lets open requests finish for `timeout` seconds, aborts what
-        is left and exits."""
+        is left and exits. While it starts (loading, compiling) there is nothing to finish: it is
+        stopped at once, and `start` raises EngineClosed."""
         with self._lock:
-            if self._phase in ("ready", "starting"):
+            phase = self._phase
+            if phase in ("ready", "starting"):
                 self._phase = "closing"
+            if phase == "ready":
                 try:
                     self._conn.send(("shutdown", timeout))
                 except OSError:
                     pass
+        if phase == "starting":
+            self._process.kill()
         if self._receiver is not None:
             self._receiver.join()
         if self._process is not None:

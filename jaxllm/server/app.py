@@ -490,6 +490,8 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
             try:
                 if start_engine:
                     engine.start()
+            except EngineClosed:  # the server stopped while the engine started: nothing failed
+                return
             except BaseException as e:  # a load or compile error: the server cannot serve
                 loop.call_soon_threadsafe(state.fail, f"{type(e).__name__}: {e}")
                 return
