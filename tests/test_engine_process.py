@@ -32,12 +32,31 @@ def _make(load=_tiny):
                           mixed_prefill=False)
 
 
+def _failing():
+    """An engine whose loop fails at its first step, as a device error would."""
+    from jaxllm.engine.batching import BatchingEngine
+
+    class Failing(BatchingEngine):
+        def _iterate(self, admitted):
+            raise RuntimeError("the device fell over")
+    return Failing(None, load=_tiny, max_slots=2, max_context=64, prefill_chunk=16, prefill_batches=(1,),
+                   mixed_prefill=False)
+
+
 def _slow():
     time.sleep(120)
 
 
 def _refuse():
     raise ValueError("no checkpoint at /nowhere")
+
+
+def _eventually(value, timeout=10.0):
+    """value() once it is truthy, polled for at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not value() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value()
 
 
 class Collect:
@@ -111,10 +130,27 @@ def test_an_engine_process_that_dies_ends_every_open_request_with_an_error():
     got.wait(3)
     message = f"the engine process exited (exit code {-signal.SIGKILL})"
     assert [(ev.finish_reason, ev.error) for ev in got.final.values()] == [("error", message)] * 3
-    assert failures == [message] and not e.ready
+    assert _eventually(lambda: failures) == [message] and not e.ready  # on_failure after the events
     with pytest.raises(EngineClosed, match="exit code"):
         e.submit(Request((5,), 2), got.on(9))
     e.shutdown(1)  # returns: nothing left to wait for
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_in_its_process_ends_its_requests_and_says_so():
+    e = ProcessEngine(_failing)
+    failures = []
+    e.on_failure = failures.append
+    e.start()
+    got = Collect()
+    for i in range(2):
+        e.submit(Request((5, 6, 7), 8, ignore_eos=True), got.on(i))
+    got.wait(2)
+    assert [(ev.finish_reason, ev.error) for ev in got.final.values()] == \
+        [("error", "RuntimeError: the device fell over")] * 2
+    assert _eventually(lambda: failures) == ["RuntimeError: the device fell over"] and not e.ready
+    e.shutdown(5)
+    assert e._process.exitcode == 0  # the child ended once the parent stopped listening
 
 
 def test_a_load_error_in_the_engine_process_is_raised_by_start():

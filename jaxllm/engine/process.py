@@ -179,8 +179,9 @@ class ProcessEngine:
                     with self._lock:
                         self._stats_reply.append(message[1])
                         self._stats_ready.notify_all()
-                elif kind == "failed":
+                elif kind == "failed":  # the engine thread died; its requests' errors came first
                     failure = message[1]
+                    break
                 elif kind == "closed":
                     break
         except (EOFError, OSError):
@@ -195,6 +196,7 @@ class ProcessEngine:
             self._stats_ready.notify_all()
         for on_event in left:  # requests the child never finished: it died
             on_event(Event(finish_reason="error", error=failure or "the engine process exited"))
+        self._conn.close()  # a child still reading commands ends at this
         if failure is not None and self.on_failure is not None:
             self.on_failure(failure)
 
@@ -253,11 +255,14 @@ def _child(conn, make: Callable[[], object]) -> None:
             batch = []
             while outbox:
                 batch.append(outbox.popleft())
-            if batch:
-                send(("events", batch))
-            if failed and not outbox:
-                send(("failed", failed[0]))
-                failed.clear()
+            try:
+                if batch:
+                    send(("events", batch))
+                if failed and not outbox:
+                    send(("failed", failed[0]))
+                    failed.clear()
+            except OSError:  # the parent is gone: the main thread sees it too, and ends
+                return
             if done.is_set() and not outbox:
                 return
 
@@ -291,4 +296,7 @@ def _child(conn, make: Callable[[], object]) -> None:
     done.set()
     wake.set()
     shipping.join()
-    send(("closed",))
+    try:
+        send(("closed",))
+    except OSError:  # the parent stopped listening (it saw the engine fail, or it is gone)
+        pass
