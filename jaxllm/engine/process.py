@@ -23,10 +23,13 @@ import collections
 import multiprocessing
 import pickle
 import signal
+import sys
 import threading
 from typing import Callable
 
 from jaxllm.engine.api import EngineClosed, Event, OnEvent, QueueFull, Request
+
+STATS_WAIT_S = 10.0  # the longest stats() waits for the engine's process to answer
 
 
 class ProcessEngine:
@@ -49,6 +52,7 @@ class ProcessEngine:
         self._phase = "new"  # new -> starting -> ready -> closing -> closed, or failed
         self._failure: str | None = None
         self._stats_reply: collections.deque = collections.deque()
+        self._last_stats = dict(running=0, waiting=0, slots_in_use=0, max_slots=None, compilations=0, failed=None)
         self._stats_ready = threading.Condition(self._lock)
         self._process = self._conn = self._receiver = None
 
@@ -143,19 +147,21 @@ class ProcessEngine:
                 self._process.join()
 
     def stats(self) -> dict:
-        """The child engine's stats (a round trip), or the last known where it is gone."""
+        """The child engine's stats (a round trip of at most STATS_WAIT_S), or the last known
+        with nothing running where it is gone (its counters never go back)."""
         with self._lock:
-            if self._phase not in ("ready", "closing"):
-                return dict(running=0, waiting=0, slots_in_use=0, max_slots=self.max_slots, compilations=0,
-                            failed=self._failure)
-            self._conn.send(("stats",))
-            while not self._stats_reply and self._phase in ("ready", "closing"):
-                self._stats_ready.wait(1.0)
-            if not self._stats_reply:
-                return dict(running=0, waiting=0, slots_in_use=0, max_slots=self.max_slots, compilations=0,
-                            failed=self._failure)
-            s = self._stats_reply.popleft()
-        s["waiting"] = max(len(self._open) - s["running"], s["waiting"])  # sent and not yet arrived too
+            live = self._phase in ("ready", "closing")
+            if live:
+                self._conn.send(("stats",))
+                self._stats_ready.wait_for(lambda: self._stats_reply or self._phase not in ("ready", "closing"),
+                                           STATS_WAIT_S)
+                while self._stats_reply:
+                    self._last_stats = self._stats_reply.popleft()
+            s = dict(self._last_stats)
+            if live:  # requests sent and not yet arrived are waiting too
+                s["waiting"] = max(len(self._open) - s["running"], s["waiting"])
+            else:
+                s.update(running=0, waiting=0, slots_in_use=0, failed=self._failure)
         return s
 
     # --- the parent's receiving thread --------------------------------------------------------
@@ -208,6 +214,9 @@ def _child(conn, make: Callable[[], object]) -> None:
     # drains and then says "shutdown"; a parent that dies closes the pipe, which ends this too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The engine thread shares this interpreter with the sender and the command reader: when a
+    # step's results arrive it must get the lock back at once, not after the default 5 ms.
+    sys.setswitchinterval(0.0005)
     send_lock = threading.Lock()
 
     def send(message) -> None:

@@ -530,8 +530,9 @@ def create_app(engine, tokenizer, model: str, *, api_key: str | None = None, max
         return JSONResponse(APIError(503, f"the server is {state.phase}{doing}").body(), status_code=503)
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics():  # off the loop: an engine in its own process answers stats() by a round trip
+        text = await asyncio.to_thread(state.metrics.text)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
