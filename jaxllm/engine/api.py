@@ -68,6 +68,16 @@ class Request:
         return dataclasses.replace(self, **changes)
 
 
+def check_fits(request: Request, max_context: int) -> None:
+    """ValueError unless `request` has a prompt and its prompt + max_tokens fit `max_context`: what
+    an engine's `submit` checks of a request, the rest being the server's (jaxllm.server.protocol)."""
+    if len(request.prompt) + request.max_tokens > max_context:
+        raise ValueError(f"prompt of {len(request.prompt)} tokens plus max_tokens={request.max_tokens} "
+                         f"is over the context of {max_context} tokens")
+    if not request.prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The chosen token's log-probability and the `top` most likely (id, logprob), best first."""

@@ -51,7 +51,7 @@ from flax import struct
 
 from jaxllm.engine import speculative
 from jaxllm.engine.speculative import Draft
-from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request,
+from jaxllm.engine.api import (MAX_TOP_LOGPROBS, EngineClosed, Event, OnEvent, QueueFull, Request, check_fits,
                                TokenLogprob)
 from jaxllm.engine.generate import MIN_BUCKET, bucket
 from jaxllm.engine.sampling import choose, record, seen_from_prompt
@@ -651,11 +651,7 @@ class BatchingEngine:
             self.on_progress(message)
 
     def submit(self, request: Request, on_event: OnEvent) -> int:
-        if len(request.prompt) + request.max_tokens > self.max_context:
-            raise ValueError(f"prompt of {len(request.prompt)} tokens plus max_tokens={request.max_tokens} "
-                             f"is over the context of {self.max_context} tokens")
-        if not request.prompt:
-            raise ValueError("the prompt is empty: generation needs at least one token")
+        check_fits(request, self.max_context)
         with self._cond:
             if self._closing or self._failed is not None or not self._ready:
                 raise EngineClosed(self._failed or "the engine is not running")

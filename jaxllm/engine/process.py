@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import Callable
 
-from jaxllm.engine.api import EngineClosed, Event, OnEvent, QueueFull, Request
+from jaxllm.engine.api import EngineClosed, Event, OnEvent, QueueFull, Request, check_fits
 
 STATS_WAIT_S = 10.0  # the longest stats() waits for the engine's process to answer
 
@@ -101,11 +101,7 @@ class ProcessEngine:
     def submit(self, request: Request, on_event: OnEvent) -> int:
         if self._phase != "ready":
             raise EngineClosed(self._failure or "the engine is not running")
-        if len(request.prompt) + request.max_tokens > self.max_context:
-            raise ValueError(f"prompt of {len(request.prompt)} tokens plus max_tokens={request.max_tokens} "
-                             f"is over the context of {self.max_context} tokens")
-        if not request.prompt:
-            raise ValueError("the prompt is empty: generation needs at least one token")
+        check_fits(request, self.max_context)
         with self._lock:
             if self._phase != "ready":
                 raise EngineClosed(self._failure or "the engine is not running")
