@@ -285,7 +285,9 @@ def _child(conn, make: Callable[[], object]) -> None:
                 rid = message[1]
                 try:
                     ids[rid] = engine.submit(message[2], lambda ev, rid=rid: post(rid, ev))
-                except Exception as e:  # closed or failed: the parent learns it from the events
+                except EngineClosed as e:  # it failed since the parent sent this: its reason
+                    post(rid, Event(finish_reason="error", error=str(e)))
+                except Exception as e:
                     post(rid, Event(finish_reason="error", error=f"{type(e).__name__}: {e}"))
             elif kind == "abort":
                 if message[1] in ids:
