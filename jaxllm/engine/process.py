@@ -23,7 +23,6 @@ import collections
 import multiprocessing
 import pickle
 import signal
-import sys
 import threading
 from typing import Callable
 
@@ -210,9 +209,6 @@ def _child(conn, make: Callable[[], object]) -> None:
     # drains and then says "shutdown"; a parent that dies closes the pipe, which ends this too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The engine thread shares this interpreter with the sender and the command reader: when a
-    # step's results arrive it must get the lock back at once, not after the default 5 ms.
-    sys.setswitchinterval(0.0005)
     send_lock = threading.Lock()
 
     def send(message) -> None:
