@@ -440,6 +440,22 @@ def test_a_stream_that_falls_behind_sends_each_token_once_and_one_finish(params,
         server.stop()
 
 
+def test_cli_with_more_slots_than_fit_says_so_and_exits_1():
+    """A real mistake: --max-slots past the memory. The engine's process finds it before it
+    allocates anything; the server says why in one line and exits 1 (no traceback, no hang)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "jaxllm", "serve", "--max-context", "2048", "--max-slots", "100000",
+                          "--port", "0"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 1
+    assert re.search(r"jaxllm serve: error: the engine failed: ValueError: 100000 slots of 2048 tokens do not fit: "
+                     r".*\(fewer slots or a shorter max_context would\)", out.stderr)
+    assert "Traceback" not in out.stderr
+
+
 def test_cli_serves_the_default_model_and_drains_on_sigterm(tok):
     """`jaxllm serve` as users run it: /health 503 (saying what the start is doing) then 200, and
     the log says it too; on SIGTERM an answer in flight still completes, and the process exits 0."""
