@@ -538,7 +538,7 @@ def bench_engine(args, params=None):
     from jaxllm.engine.batching import BatchingEngine
     from jaxllm.tools import presets
 
-    dtype = _dtype(args)
+    dtype = _dtype(args, jax.default_backend())
     params = params if params is not None else _params(args, dtype)
     speculative = args.speculate
     if args.draft_model:
@@ -554,9 +554,9 @@ def bench_engine(args, params=None):
                    if speculative is not None else {}))
 
 
-def _dtype(args) -> str:
-    import jax
-    return args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+def _dtype(args, platform: str) -> str:
+    """--dtype, or the default on JAX's `platform`."""
+    return args.dtype or ("bfloat16" if platform == "gpu" else "float32")
 
 
 def _vocab(args) -> int:
@@ -618,14 +618,14 @@ def main(argv=None) -> int:
         engine = ProcessEngine(partial(bench_engine, args), max_queued=args.requests)
         started(engine)
         label["device"] = engine.info["device"]
-        label["dtype"] = args.dtype or ("bfloat16" if engine.info["platform"] == "gpu" else "float32")
+        label["dtype"] = _dtype(args, engine.info["platform"])
         with http_server(engine, vocab) as port:  # which shuts the engine down at its end
             each_rate("http", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
         engine = None
     if not {"engine", "http-thread", "static"} & set(args.modes):
         return 0
     import jax
-    label["dtype"] = _dtype(args)
+    label["dtype"] = _dtype(args, jax.default_backend())
     label["device"] = str(jax.devices()[0])
     params = _params(args, label["dtype"])
     if {"engine", "http-thread"} & set(args.modes):

@@ -98,12 +98,10 @@ class ProcessEngine:
         self._receiver.start()
 
     def submit(self, request: Request, on_event: OnEvent) -> int:
-        if self._phase != "ready":
-            raise EngineClosed(self._failure or "the engine is not running")
-        check_fits(request, self.max_context)
         with self._lock:
             if self._phase != "ready":
                 raise EngineClosed(self._failure or "the engine is not running")
+            check_fits(request, self.max_context)
             waiting = len(self._open) - self.max_slots
             if waiting >= self.max_queued:
                 raise QueueFull(f"{waiting} requests are waiting, the most this server queues")

@@ -245,7 +245,6 @@ class _Run:
         self.rids: list[int] = []
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._started = time.monotonic()  # `created` is whole seconds (OpenAI's field)
 
     def submit(self) -> None:
         if self.state.phase != "ready":
