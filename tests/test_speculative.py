@@ -63,6 +63,20 @@ def test_greedy_equals_plain_greedy(tiny, drafts):
     assert out.stats.histogram[0] > 0  # a different random draft: many rejections
 
 
+def test_a_drafts_missing_token_fed_in_its_first_step_proposes_the_same(tiny, drafts, monkeypatch):
+    """The draft's last missing token (a fully accepted round's last draft, or a plain step's)
+    fed beside the pending one in a two-token step proposes what its own catch-up step did."""
+    params, draft, prompts = tiny("llama").params, drafts("llama"), _prompts()
+    run = lambda: jaxllm.generate(params, prompts, max_new_tokens=24, eos_token_ids=[], speculative=draft,
+                                  num_speculative=3, synthetic_acceptance=0.6)
+    _tuned(monkeypatch, draft_pair=False)
+    apart = run()
+    _tuned(monkeypatch, draft_pair=True)
+    paired = run()
+    _same(paired, apart)
+    assert paired.stats == apart.stats and paired.stats.histogram[-1] > 0  # rounds that kept all
+
+
 def test_the_drafts_cache_is_whole_blocks_for_the_attention_kernel(drafts):
     """The draft's cache is the target's plus a catch-up chunk: not rounded, it missed the decode
     attention kernel's multiple of 16, and every draft step on a GPU took XLA's attention."""

@@ -458,7 +458,8 @@ def speculative_spec(speculative_, num_speculative) -> speculative.Spec:
         spec, _ = speculative.resolve(None, "ngram", num_speculative)
         return spec._replace(proposer=speculative_) if ngram else spec
     if isinstance(speculative_, Params) or callable(speculative_) and not isinstance(speculative_, type):
-        return speculative.Spec(speculative.Draft(), speculative.drafts_a_round("draft", num_speculative),
+        draft = speculative.Draft(pair=speculative.current().draft_pair)
+        return speculative.Spec(draft, speculative.drafts_a_round("draft", num_speculative),
                                 adaptive=num_speculative is None)
     raise ValueError(f"the serving engine speculates by prompt lookup (speculative='ngram') or with a draft "
                      f"model (its Params), got {speculative_!r}")

@@ -37,7 +37,7 @@ import numpy as np
 from jaxllm.checks import whole
 from jaxllm.engine.sampling import SamplingFlags, SamplingParams, argmax, choose, filter_logits, penalize, \
     penalty_history, record, row_keys
-from jaxllm.env import env_ints, env_number
+from jaxllm.env import env_flag, env_ints, env_number
 from jaxllm.model.cache import KVCache, init_cache, rollback
 from jaxllm.model.params import Params, param_bytes
 from jaxllm.model.transformer import rotation_table, step
@@ -71,17 +71,19 @@ class SpecTuning:
     decay: float = 0.8  # the moving mean's weight of the past
     min_pause: int = 4  # plain steps after a verify round that did not pay
     max_pause: int = 64  # the pause doubles while the probe round after it fails, up to this
+    draft_pair: bool = True  # `Draft.pair`: a missing token rides in the proposal's first step
 
     @classmethod
     def from_env(cls) -> "SpecTuning":
         """The defaults, overridden by JAXLLM_SPEC_MAX_BATCH, JAXLLM_SPEC_MAX_BATCH_DRAFT,
-        JAXLLM_SPEC_VERIFY_COST and JAXLLM_SPEC_PAUSE ("min,max")."""
+        JAXLLM_SPEC_VERIFY_COST, JAXLLM_SPEC_PAUSE ("min,max") and JAXLLM_SPEC_DRAFT_PAIR."""
         d = cls()
         low, high = env_ints("JAXLLM_SPEC_PAUSE", f"{d.min_pause},{d.max_pause}")
         return cls(max_batch=env_number("JAXLLM_SPEC_MAX_BATCH", d.max_batch),
                    max_batch_draft=env_number("JAXLLM_SPEC_MAX_BATCH_DRAFT", d.max_batch_draft),
                    verify_cost=env_number("JAXLLM_SPEC_VERIFY_COST", d.verify_cost, float),
-                   min_pause=max(low, 1), max_pause=max(high, low, 1))
+                   min_pause=max(low, 1), max_pause=max(high, low, 1),
+                   draft_pair=env_flag("JAXLLM_SPEC_DRAFT_PAIR", d.draft_pair))
 
     def batch_limit(self, proposer: "Proposer") -> int:
         """The most rows the default speculates for with this proposer."""
@@ -249,10 +251,13 @@ class Draft(Proposer):
     """A draft model sharing the target's vocabulary: its own cache (the same slots), k steps a
     round drawing from its own filtered distribution. Plain steps do not run it: a proposal first
     feeds it the tokens its cache lacks (the plain steps' and a fully accepted round's last
-    draft), `chunk` at a time while more than one is missing. It runs `ctx.limit` steps."""
+    draft), `chunk` at a time while more than one is missing. It runs `ctx.limit` steps; with
+    `pair`, a last missing token rides in the first of them, a step of two tokens a row, instead
+    of a one-token step of its own (docs/decisions/speculative.md#where-a-rounds-time-goes)."""
 
     chunk: int = 8
     step_cost: float = 0.0
+    pair: bool = True
 
     def init(self, aux, tokens_BT, start_B, cache_length, kv_int8):
         # a catch-up feeds a chunk past the target's end; whole blocks, or every draft step would
@@ -277,7 +282,37 @@ class Draft(Proposer):
             return rollback(cache, _as_rows(cache, extra_B))
 
         cache = jax.lax.while_loop(lambda c: jnp.max(end_B - ends(c.end)) > 1, lambda c: feed(c, self.chunk), cache)
+        if self.pair:  # the last one rides in the proposal's first step
+            return cache
         return jax.lax.while_loop(lambda c: jnp.any(end_B > ends(c.end)), lambda c: feed(c, 1), cache)
+
+    def _first_step(self, aux, cache: KVCache, ctx: Context, rotation):
+        """(logits [n, V] after the pending token, cache) of a caught-up cache that may lack one
+        token a row, the one before the pending token: where any row lacks it, one step of two
+        tokens a row (the missing one and the pending one; a row lacking none feeds its pending
+        token twice and drops the second), else a one-token step. Two loops that run at most once,
+        not a cond, which would copy the cache (docs/decisions/speculative.md)."""
+        seq_BS, end_B, token_B = ctx.seq_BS, ctx.end_B, ctx.token_B
+        ends = _first_rows(cache, end_B)
+        missing_B = (end_B - ends(cache.end)).astype(jnp.int32)  # 0 or 1 after the catch-up
+        prev_B = jnp.take_along_axis(seq_BS, jnp.clip(end_B - 1, 0, seq_BS.shape[1] - 1)[:, None], axis=1)[:, 0]
+        logits_BV = jnp.zeros((token_B.shape[0], aux.config.vocab_size), jnp.float32)
+
+        def pair(carry):
+            _, cache, _ = carry
+            tokens_B2 = jnp.stack([jnp.where(missing_B > 0, prev_B, token_B), token_B], axis=1)
+            logits_B2V, cache = step(aux, tokens_B2, cache, all_logits=True)
+            logits_BV = jnp.take_along_axis(logits_B2V, missing_B[:, None, None], axis=1)[:, 0]
+            return jnp.bool_(True), rollback(cache, _as_rows(cache, 1 - missing_B)), logits_BV.astype(jnp.float32)
+
+        def single(carry):
+            _, cache, _ = carry
+            logits_BV, cache = step(aux, token_B[:, None], cache, rotation=rotation)
+            return jnp.bool_(True), cache, logits_BV.astype(jnp.float32)
+
+        carry = jax.lax.while_loop(lambda c: ~c[0] & jnp.any(missing_B > 0), pair, (jnp.bool_(False), cache, logits_BV))
+        _, cache, logits_BV = jax.lax.while_loop(lambda c: ~c[0], single, carry)
+        return logits_BV, cache
 
     def propose(self, aux, cache, ctx, k):
         cache = self.catch_up(aux, cache, ctx.seq_BS, ctx.end_B)
@@ -286,9 +321,7 @@ class Draft(Proposer):
 
         B, V = ctx.token_B.shape[0], aux.config.vocab_size
 
-        def one(carry):
-            j, token_B, cache, history, d_BK, q_BKV = carry
-            logits_BV, cache = step(aux, token_B[:, None], cache, rotation=rotation)
+        def pick(j, logits_BV, history, d_BK, q_BKV):
             logits_BV = penalize(logits_BV, history, ctx.sampling, flags)
             if flags.greedy:
                 d_B = argmax(logits_BV)
@@ -297,14 +330,23 @@ class Draft(Proposer):
                 d_B = race(jax.vmap(lambda key: jax.random.fold_in(key, 100 + j))(ctx.keys_B), q_BV)
                 q_BKV = jax.lax.dynamic_update_slice(q_BKV, q_BV[:, None], (0, j, 0))
             d_BK = jax.lax.dynamic_update_slice(d_BK, d_B[:, None], (0, j))
-            return j + 1, d_B, cache, record(history, d_B, jnp.ones_like(d_B, bool)), d_BK, q_BKV
+            return d_B, record(history, d_B, jnp.ones_like(d_B, bool)), d_BK, q_BKV
+
+        def one(carry):
+            j, token_B, cache, history, d_BK, q_BKV = carry
+            logits_BV, cache = step(aux, token_B[:, None], cache, rotation=rotation)
+            d_B, history, d_BK, q_BKV = pick(j, logits_BV, history, d_BK, q_BKV)
+            return j + 1, d_B, cache, history, d_BK, q_BKV
 
         # `limit` steps write the pending token and d_1..d_{limit-1}; the last draft waits for
         # the next catch-up
         q_BKV = jnp.zeros((), jnp.float32) if flags.greedy else jnp.zeros((B, k, V), jnp.float32)
-        _, _, cache, _, d_BK, q_BKV = jax.lax.while_loop(
-            lambda carry: carry[0] < ctx.limit, one,
-            (jnp.int32(0), ctx.token_B, cache, ctx.history, jnp.zeros((B, k), jnp.int32), q_BKV))
+        carry = (jnp.int32(0), ctx.token_B, cache, ctx.history, jnp.zeros((B, k), jnp.int32), q_BKV)
+        if self.pair:
+            logits_BV, cache = self._first_step(aux, cache, ctx, rotation)
+            d_B, history, d_BK, q_BKV = pick(0, logits_BV, ctx.history, carry[4], q_BKV)
+            carry = (jnp.int32(1), d_B, cache, history, d_BK, q_BKV)
+        _, _, cache, _, d_BK, q_BKV = jax.lax.while_loop(lambda carry: carry[0] < ctx.limit, one, carry)
         valid_BK = jnp.broadcast_to(jnp.arange(k)[None] < ctx.limit, (B, k))
         return Proposal(d_BK, valid_BK, None if flags.greedy else q_BKV), cache
 
@@ -650,7 +692,9 @@ def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning
         if (speculative.tp is None) != (params.tp is None):
             raise ValueError("the draft model and the target must both be sharded or both not")
         # a draft step's cost in target steps: at small batch both read their weights once
-        proposer, aux, kind = Draft(step_cost=param_bytes(speculative) / param_bytes(params)), speculative, "draft"
+        proposer = Draft(step_cost=param_bytes(speculative) / param_bytes(params),
+                         pair=(tuning or current()).draft_pair)
+        aux, kind = speculative, "draft"
     elif isinstance(speculative, Proposer):
         proposer, aux, kind = speculative, getattr(speculative, "aux", None), "draft"
     else:

@@ -83,6 +83,7 @@ class KernelTuning:
             pdl_trigger=env_flag("JAXLLM_PDL_TRIGGER", True),
             verify_tokens=env_number("JAXLLM_VERIFY_TOKENS", 9),
             verify_rows_min=env_number("JAXLLM_VERIFY_ROWS_MIN", 2),
+            rows_large_weights=env_number("JAXLLM_ROWS_LARGE_WEIGHTS", 16 * 2**20),
             verify_tiles=env_ints("JAXLLM_VERIFY_TILES", "64,128,4"),
             decode_project=env_choice("JAXLLM_DECODE_PROJECT", MODES, "auto"),
             kernel_max_weights=env_number("JAXLLM_PROJECT_MAX_WEIGHTS", 8 * 2**20),
