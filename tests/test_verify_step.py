@@ -143,7 +143,7 @@ def test_speculative_greedy_through_the_kernels_equals_plain_greedy(monkeypatch,
         # the target as its own draft verifies every round; prompt lookup needs its two-token
         # matches, which a tiny random model's output may never give after the prompt
         assert out.stats.verify_rounds > 0 or proposer == "ngram"
-    # the verify steps' k + 1 tokens, and the draft's catch-up chunks (its cache is in whole
-    # blocks, so they take the kernel too)
-    assert attended and set(attended) == {k + 1, Draft.chunk}
+    # the verify steps' k + 1 tokens, and the draft's catch-up chunks and first steps of two
+    # tokens (its cache is in whole blocks, so they take the kernel too)
+    assert attended and set(attended) == {k + 1, Draft.chunk, 2}
     jax.clear_caches()
