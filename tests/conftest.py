@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import jaxllm
+# The suite compiles hundreds of programs for tiny models on the CPU, where LLVM's optimization
+# takes most of the time: at level 0 they compile in about two thirds of it (and the few tests
+# of real compute run a little slower). Set before any backend starts; the user's flags win.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jaxllm  # noqa: E402
 
 
 @dataclasses.dataclass
