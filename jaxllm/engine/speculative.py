@@ -294,7 +294,7 @@ class Draft(Proposer):
         not a cond, which would copy the cache (docs/decisions/speculative.md)."""
         seq_BS, end_B, token_B = ctx.seq_BS, ctx.end_B, ctx.token_B
         ends = _first_rows(cache, end_B)
-        missing_B = (end_B - ends(cache.end)).astype(jnp.int32)  # 0 or 1 after the catch-up
+        missing_B = jnp.clip(end_B - ends(cache.end), 0, 1).astype(jnp.int32)  # 0 or 1 after the catch-up
         prev_B = jnp.take_along_axis(seq_BS, jnp.clip(end_B - 1, 0, seq_BS.shape[1] - 1)[:, None], axis=1)[:, 0]
         logits_BV = jnp.zeros((token_B.shape[0], aux.config.vocab_size), jnp.float32)
 
