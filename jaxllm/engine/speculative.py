@@ -268,7 +268,8 @@ class Draft(Proposer):
         return cache
 
     def catch_up(self, aux, cache: KVCache, seq_BS, end_B) -> KVCache:
-        """The cache fed seq_BS's columns from its end to end_B (exclusive), the same slots. With
+        """The cache fed seq_BS's columns from its end to end_B (exclusive), the same slots; with
+        `pair`, all but the last, which the proposal's first step feeds (`_first_step`). With
         fewer rows in seq_BS than in the cache (a serving engine's decode bucket), its first rows."""
         S = seq_BS.shape[1]
         rotation = rotation_table(aux.config, cache.length) if aux.tp is None else None
@@ -679,6 +680,7 @@ def drafts_a_round(kind: str, num_speculative) -> int:
 
 def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning: SpecTuning | None = None):
     """(Spec, aux) of generate's `speculative` / `num_speculative` arguments, checked."""
+    tuning = tuning or current()
     if isinstance(speculative, str):
         if speculative != "ngram":
             raise ValueError(f"speculative must be 'ngram', a draft model's Params or a Proposer, "
@@ -693,7 +695,7 @@ def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning
             raise ValueError("the draft model and the target must both be sharded or both not")
         # a draft step's cost in target steps: at small batch both read their weights once
         proposer = Draft(step_cost=param_bytes(speculative) / param_bytes(params),
-                         pair=(tuning or current()).draft_pair)
+                         pair=tuning.draft_pair)
         aux, kind = speculative, "draft"
     elif isinstance(speculative, Proposer):
         proposer, aux, kind = speculative, getattr(speculative, "aux", None), "draft"
@@ -705,4 +707,4 @@ def resolve(params: Params, speculative, num_speculative, synthetic=None, tuning
     if synthetic is not None and not 0 <= float(synthetic) <= 1:
         raise ValueError(f"synthetic acceptance must be in [0, 1], got {synthetic}")
     return Spec(proposer, k, adaptive, None if synthetic is None else float(synthetic),
-                tuning or current()), aux
+                tuning), aux
