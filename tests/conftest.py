@@ -15,10 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-# The suite compiles hundreds of programs for tiny models on the CPU, LLVM's optimization most of
-# each compile: at level 0 a speculative engine's fixture took 40.9 s against 60.5, and the whole
-# suite 1389 s on 2 cores (the few tests of real compute run a little slower). Set before any
-# backend starts; the user's flags win.
+# The suite is compile-bound (tiny models), and XLA's CPU backend compiles faster at level 0
+# (docs/decisions/tests.md). Set before any backend starts; the user's flags win.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
