@@ -300,6 +300,9 @@ def parse_args(argv):
     spec.add_argument("--speculate", choices=("ngram",), help="prompt lookup proposes the drafts")
     spec.add_argument("--draft-model", metavar="PATH", help="a draft checkpoint (same tokenizer)")
     spec.add_argument("--draft-preset", metavar="NAME", help="a draft of this preset's shape, random weights")
+    spec.add_argument("--draft-quant", choices=("none", "int8"), default=None,
+                      help="the draft's weight quantization (default: --quant's); the target's "
+                           "tokens do not depend on it, only how many drafts it accepts")
     spec.add_argument("--num-speculative", type=argtype(1, 32), default=None, metavar="K",
                       help="drafts a round (default: adaptive, 7 for ngram, 3 for a draft)")
     spec.add_argument("--synthetic-acceptance", type=float, default=None, metavar="A",
@@ -378,6 +381,8 @@ def parse_args(argv):
         p.error("give one of --speculate, --draft-model, --draft-preset")
     if (args.num_speculative is not None or args.synthetic_acceptance is not None) and not drafts:
         p.error("--num-speculative and --synthetic-acceptance need --speculate, --draft-model or --draft-preset")
+    if args.draft_quant is not None and not (args.draft_model or args.draft_preset):
+        p.error("--draft-quant needs --draft-model or --draft-preset")
     if args.synthetic_acceptance is not None and not 0 <= args.synthetic_acceptance <= 1:
         p.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
     if args.draft_model is not None and not Path(args.draft_model).exists():
@@ -738,6 +743,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         plain_s, _ = _median_time(lambda: generate(speculative=None), args.repeat)
         from jaxllm.engine import speculative as spec_mod
         spec_fields.update(speculate=args.speculate or args.draft_model or args.draft_preset,
+                           draft_quant=None if args.speculate else args.draft_quant or args.quant,
                            num_speculative=args.num_speculative, synthetic_acceptance=args.synthetic_acceptance,
                            spec_default_on=batch <= args.spec_max_batch, plain_generate_s=plain_s,
                            plain_tokens=plain_tokens, plain_tokens_per_s=plain_tokens / plain_s,
@@ -1033,13 +1039,14 @@ def main(argv=None) -> int:
         return 0
 
     args.draft = args.speculate
+    draft_quant = args.draft_quant or args.quant
     if args.draft_model:
-        args.draft = _wait(jaxllm.load(args.draft_model, dtype=dtype, quant=args.quant, mesh=mesh))
+        args.draft = _wait(jaxllm.load(args.draft_model, dtype=dtype, quant=draft_quant, mesh=mesh))
     elif args.draft_preset:
         if args.draft_preset not in presets.PRESETS:
             return _usage_error(f"--draft-preset: unknown preset {args.draft_preset!r}")
         args.draft = _wait(presets.random_params(presets.PRESETS[args.draft_preset], args.seed + 1, dtype,
-                                                 quant=args.quant))
+                                                 quant=draft_quant))
     if args.draft is not None:
         # Speculation is timed at every batch; spec_default_on says whether generate's default
         # (which decodes plainly above SpecTuning.batch_limit rows) would speculate there.

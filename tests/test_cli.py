@@ -119,6 +119,7 @@ def test_bad_input_exits_2_with_the_reason(argv, message, capsys):
     (["serve", "--num-speculative", "3"], "--num-speculative needs --speculate ngram or --draft-model"),
     (["serve", "--speculate", "ngram", "--draft-model", "d.gguf"], "give --speculate ngram or --draft-model, not both"),
     (["serve", "--draft-model", "/nonexistent/draft"], "no draft model at /nonexistent/draft"),
+    (["serve", "--draft-quant", "int8"], "--draft-quant needs --draft-model"),
     (["serve", "--speculate", "ngram", "--num-speculative", "0"], "argument --num-speculative: must be in [1, 32], got 0"),
     (["serve", "--model", "/nonexistent/model"], "no model at /nonexistent/model"),
 ])

@@ -445,6 +445,8 @@ def test_cli_speculative_answer_equals_the_plain_one_and_reports(tiny_model):
     drafted = run_cli(*common, "--draft-model", str(tiny_model), "--num-speculative", "3", "--verbose")
     assert drafted.returncode == 0 and drafted.stdout == plain.stdout, drafted.stderr
     assert "drafts accepted (100.0%)" in drafted.stderr  # the model as its own draft
+    int8 = run_cli(*common, "--draft-model", str(tiny_model), "--draft-quant", "int8", "--num-speculative", "3")
+    assert int8.returncode == 0 and int8.stdout == plain.stdout, int8.stderr  # a quantized draft: the same answer
     bad = run_cli(*common, "--num-speculative", "3")
     assert bad.returncode == 2 and "--num-speculative needs" in bad.stderr
 

@@ -137,12 +137,19 @@ def load_model(args: argparse.Namespace):
     return params, tok
 
 
+def add_draft_quant_arg(parser) -> None:
+    """--draft-quant: the draft's weights may be quantized where the target's are not."""
+    parser.add_argument("--draft-quant", choices=("none", "int8"), default=None,
+                        help="the draft model's weight quantization (default: --quant's); the answer "
+                             "does not depend on it, only how many drafts are accepted")
+
+
 def load_draft(args: argparse.Namespace):
-    """The --draft-model's params in --dtype / --quant, on one device (announcing a conversion as
-    `load_model` does)."""
+    """The --draft-model's params in --dtype / --draft-quant (default --quant), on one device
+    (announcing a conversion as `load_model` does)."""
     path = Path(args.draft_model)
     _note_conversion(path, args.dtype)
-    return jaxllm.load(path, dtype=args.dtype, quant=args.quant)
+    return jaxllm.load(path, dtype=args.dtype, quant=args.draft_quant or args.quant)
 
 
 def mesh_of(tp: int):

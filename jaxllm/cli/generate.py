@@ -11,7 +11,7 @@ from typing import Iterator
 
 import jaxllm
 from jaxllm.cli.common import (UsageError, add_model_args, add_sampling_args, add_system_arg, add_trace_arg,
-                               load_draft, load_model, sampling_kwargs)
+                               add_draft_quant_arg, load_draft, load_model, sampling_kwargs)
 from jaxllm.tools.trace import trace
 
 
@@ -58,6 +58,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         "in the prompt or the answer (fast on rewrites, summaries, extraction)")
     g.add_argument("--draft-model", metavar="PATH", default=None,
                    help="a smaller checkpoint with the same tokenizer proposes the tokens")
+    add_draft_quant_arg(g)
     g.add_argument("--num-speculative", type=int, default=None, metavar="K",
                    help="tokens proposed a round (default: 7 for ngram, 3 for a draft model, "
                         "speculation paused while few are accepted)")
@@ -71,6 +72,8 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         raise UsageError("give --speculate ngram or --draft-model, not both")
     if args.num_speculative is not None and not (args.speculate or args.draft_model):
         raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
+    if args.draft_quant is not None and not args.draft_model:
+        raise UsageError("--draft-quant needs --draft-model")
     if args.num_speculative is not None and not 1 <= args.num_speculative <= 32:
         raise UsageError(f"--num-speculative must be in [1, 32], got {args.num_speculative}")
     if args.draft_model:

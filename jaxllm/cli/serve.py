@@ -22,7 +22,7 @@ def _seconds(text: str) -> float:
 
 def add_serve(subparsers) -> None:
     from jaxllm.checks import argtype
-    from jaxllm.cli.common import add_model_args, positive_int
+    from jaxllm.cli.common import add_draft_quant_arg, add_model_args, positive_int
 
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
@@ -59,6 +59,7 @@ def add_serve(subparsers) -> None:
                    help="speculative decoding with a smaller checkpoint of the same tokenizer proposing "
                         "the tokens (its own cache of --max-slots rows); the same tokens when greedy, the "
                         "same law when sampling; in decode steps of at most JAXLLM_SPEC_MAX_BATCH_DRAFT (64) rows")
+    add_draft_quant_arg(p)
     p.add_argument("--num-speculative", type=argtype(1, 32), default=None, metavar="K",
                    help="drafts a row a step with --speculate or --draft-model (default: 7 for ngram, "
                         "3 for a draft model)")
@@ -85,6 +86,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError("give --speculate ngram or --draft-model, not both")
     if args.num_speculative is not None and not (args.speculate or args.draft_model):
         raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
+    if args.draft_quant is not None and not args.draft_model:
+        raise UsageError("--draft-quant needs --draft-model")
     if args.draft_model and not Path(args.draft_model).exists():
         raise UsageError(f"no draft model at {args.draft_model}")
     if args.draft_model and args.tp > 1:
