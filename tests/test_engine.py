@@ -82,6 +82,14 @@ def _run(engine, request) -> Collector:
     return c.wait()
 
 
+def _tokens_of_each(engine, jobs) -> list[list[int]]:
+    """Submit (prompt, max_tokens) jobs at once and wait for every one's tokens."""
+    cs = [Collector() for _ in jobs]
+    for (prompt, n), c in zip(jobs, cs):
+        engine.submit(Request(prompt, n, ignore_eos=True), c)
+    return [c.wait().tokens for c in cs]
+
+
 def _wait_idle(engine, timeout=30):
     import time
     deadline = time.monotonic() + timeout
@@ -328,10 +336,7 @@ def test_without_mixed_prefill_the_same_tokens_come_from_fewer_programs(params):
                           mixed_prefill=mixed)
         e.start()
         try:
-            cs = [Collector() for _ in jobs]
-            for (prompt, n), c in zip(jobs, cs):
-                e.submit(Request(prompt, n, ignore_eos=True), c)
-            got[mixed] = [c.wait().tokens for c in cs]
+            got[mixed] = _tokens_of_each(e, jobs)
             stats[mixed] = _wait_idle(e)
         finally:
             e.shutdown(10)
@@ -341,3 +346,23 @@ def test_without_mixed_prefill_the_same_tokens_come_from_fewer_programs(params):
     assert stats[False]["warmup_compilations"] > 0 and stats[True]["warmup_compilations"] == 2 * widths
     prompt, n = jobs[0]
     assert got[False][0] == _alone(params, prompt, n)
+
+
+@pytest.mark.slow
+def test_prompts_at_a_midpoint_width_equal_generate(params, monkeypatch):
+    """With JAXLLM_PROMPT_MIDPOINTS, prompts of 129-192 tokens are prefilled 192 wide (a midpoint
+    between powers of two, less padding than 256) while generate pads them to 256: the same
+    tokens, beside a 256-wide one."""
+    from jaxllm.engine import batching
+    from jaxllm.engine.batching import prompt_width
+    monkeypatch.setattr(batching, "MIDPOINTS", True)
+    rng = random.Random(4)
+    jobs = [(_prompt(rng, 150), 6), (_prompt(rng, 190), 5), (_prompt(rng, 200), 4)]
+    assert [prompt_width(len(p)) for p, _ in jobs] == [192, 192, 256]
+    e = jaxllm.Engine(params, max_slots=2, max_context=220, prefill_chunk=256, prefill_batches=(1,),
+                      mixed_prefill=False)
+    e.start()
+    try:
+        assert _tokens_of_each(e, jobs) == [_alone(params, prompt, n) for prompt, n in jobs]
+    finally:
+        e.shutdown(10)

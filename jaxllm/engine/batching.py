@@ -57,9 +57,25 @@ from jaxllm.engine.generate import MIN_BUCKET, bucket
 from jaxllm.engine.sampling import choose, record, seen_from_prompt
 from jaxllm.engine.memory import check_fit
 from jaxllm.engine.sampling import SamplingConfig, SamplingFlags, SamplingParams
+from jaxllm.env import env_flag
 from jaxllm.model.cache import KVCache, init_cache, insert, is_int8, release, rollback
 from jaxllm.model.params import Params
 from jaxllm.model.transformer import mixed_step, rotation_table, step
+
+# A short prompt's prefill width: powers of two, and with JAXLLM_PROMPT_MIDPOINTS=1 also the
+# midpoints between them from 192 (192, 384, 768, 1536), so a prompt there is padded by at most a
+# half, not up to double; below about 200 tokens a prefill of the 8B shape costs its weights' read
+# whatever its width. Off until measured on a GPU (docs/decisions/serving.md#prompt-widths).
+MIDPOINTS = env_flag("JAXLLM_PROMPT_MIDPOINTS", False)
+MIDPOINTS_FROM = 192
+
+
+def prompt_width(n: int) -> int:
+    """The bucket width a short prompt of n tokens is prefilled at (see MIDPOINTS)."""
+    w = bucket(n)
+    mid = w // 4 * 3
+    return mid if MIDPOINTS and n <= mid and mid >= MIDPOINTS_FROM else w
+
 
 # Decode buckets below max_slots: 1 (a lone stream: the one-row kernels), 8 and 32 (the rows
 # kernel's range); each adds four programs to the compile set.
@@ -662,7 +678,7 @@ class BatchingEngine:
             self._next_id += 1
             stops = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self._stops)
             P = len(request.prompt)
-            width = bucket(P) if P <= self.prefill_chunk else 0
+            width = prompt_width(P) if P <= self.prefill_chunk else 0
             self._waiting.append(_Running(rid, request, on_event, stops, width))
             self._cond.notify()
         return rid
@@ -748,7 +764,7 @@ class BatchingEngine:
         widths, w = [], MIN_BUCKET
         while w <= min(self.prefill_chunk, bucket(self.max_context)):
             widths.append(w)
-            w = bucket(w + 1)
+            w = prompt_width(w + 1)
         return widths
 
     def _batch_sizes(self, width: int) -> list[int]:
@@ -996,7 +1012,7 @@ class BatchingEngine:
         return tokens, start, at
 
     def _prefill(self, items: list[_Running]) -> None:
-        width = bucket(max(len(i.request.prompt) for i in items))
+        width = prompt_width(max(len(i.request.prompt) for i in items))
         b = min(s for s in self._batch_sizes(width) if s >= len(items))
         tokens, start, at = self._prompt_rows(items, width, b)
         self._rows, self._next, first, lp = self._prefill_fn(
