@@ -1,6 +1,7 @@
 """Speculative decoding: greedy output equal to plain greedy, the sampled law exactly the target's
 (with negative controls that must fail the same test), rollback and the acceptance histogram."""
 
+import argparse
 import dataclasses
 
 import jax
@@ -9,9 +10,11 @@ import numpy as np
 import pytest
 
 import jaxllm
+from jaxllm.cli.common import load_draft
 from jaxllm.engine import speculative as spec
 from jaxllm.engine.generate import spec_cache_length
 from jaxllm.engine.sampling import filter_logits
+from jaxllm.layers.quant import QuantizedWeight
 from jaxllm.model.cache import init_cache, rollback
 from jaxllm.model.transformer import jitted_step
 from test_cli import run_cli, tiny_model  # noqa: F401 (a fixture)
@@ -447,6 +450,8 @@ def test_cli_speculative_answer_equals_the_plain_one_and_reports(tiny_model):
     assert "drafts accepted (100.0%)" in drafted.stderr  # the model as its own draft
     int8 = run_cli(*common, "--draft-model", str(tiny_model), "--draft-quant", "int8", "--num-speculative", "3")
     assert int8.returncode == 0 and int8.stdout == plain.stdout, int8.stderr  # a quantized draft: the same answer
+    args = argparse.Namespace(draft_model=str(tiny_model), dtype="float32", quant="none", draft_quant="int8")
+    assert isinstance(load_draft(args).layers[0].wqkv, QuantizedWeight)  # what --draft-quant int8 loads
     bad = run_cli(*common, "--num-speculative", "3")
     assert bad.returncode == 2 and "--num-speculative needs" in bad.stderr
 
