@@ -743,7 +743,7 @@ def run_one(params, label: dict, batch: int, prompt_len: int, args, peaks: dict,
         plain_s, _ = _median_time(lambda: generate(speculative=None), args.repeat)
         from jaxllm.engine import speculative as spec_mod
         spec_fields.update(speculate=args.speculate or args.draft_model or args.draft_preset,
-                           draft_quant=None if args.speculate else args.draft_quant or args.quant,
+                           draft_quant=args.draft_quant,
                            num_speculative=args.num_speculative, synthetic_acceptance=args.synthetic_acceptance,
                            spec_default_on=batch <= args.spec_max_batch, plain_generate_s=plain_s,
                            plain_tokens=plain_tokens, plain_tokens_per_s=plain_tokens / plain_s,
@@ -1039,14 +1039,15 @@ def main(argv=None) -> int:
         return 0
 
     args.draft = args.speculate
-    draft_quant = args.draft_quant or args.quant
+    # the draft's quantization, as each run's line reports it (None: no draft model)
+    args.draft_quant = (args.draft_quant or args.quant) if args.draft_model or args.draft_preset else None
     if args.draft_model:
-        args.draft = _wait(jaxllm.load(args.draft_model, dtype=dtype, quant=draft_quant, mesh=mesh))
+        args.draft = _wait(jaxllm.load(args.draft_model, dtype=dtype, quant=args.draft_quant, mesh=mesh))
     elif args.draft_preset:
         if args.draft_preset not in presets.PRESETS:
             return _usage_error(f"--draft-preset: unknown preset {args.draft_preset!r}")
         args.draft = _wait(presets.random_params(presets.PRESETS[args.draft_preset], args.seed + 1, dtype,
-                                                 quant=draft_quant))
+                                                 quant=args.draft_quant))
     if args.draft is not None:
         # Speculation is timed at every batch; spec_default_on says whether generate's default
         # (which decodes plainly above SpecTuning.batch_limit rows) would speculate there.

@@ -144,6 +144,18 @@ def add_draft_quant_arg(parser) -> None:
                              "does not depend on it, only how many drafts are accepted")
 
 
+def check_speculative_args(args: argparse.Namespace) -> None:
+    """The checks of the speculative flags that generate, chat and serve share."""
+    if args.speculate and args.draft_model:
+        raise UsageError("give --speculate ngram or --draft-model, not both")
+    if args.num_speculative is not None and not (args.speculate or args.draft_model):
+        raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
+    if args.draft_quant is not None and not args.draft_model:
+        raise UsageError("--draft-quant needs --draft-model")
+    if args.draft_model and not Path(args.draft_model).exists():
+        raise UsageError(f"no draft model at {args.draft_model}")
+
+
 def load_draft(args: argparse.Namespace):
     """The --draft-model's params in --dtype / --draft-quant (default --quant), on one device
     (announcing a conversion as `load_model` does)."""

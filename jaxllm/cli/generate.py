@@ -6,12 +6,12 @@ import argparse
 import contextlib
 import sys
 import warnings
-from pathlib import Path
 from typing import Iterator
 
 import jaxllm
 from jaxllm.cli.common import (UsageError, add_model_args, add_sampling_args, add_system_arg, add_trace_arg,
-                               add_draft_quant_arg, load_draft, load_model, sampling_kwargs)
+                               add_draft_quant_arg, check_speculative_args, load_draft, load_model,
+                               sampling_kwargs)
 from jaxllm.tools.trace import trace
 
 
@@ -68,20 +68,11 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
     """`generate`/`stream` keywords of the speculative flags; loads the draft model if given."""
-    if args.speculate and args.draft_model:
-        raise UsageError("give --speculate ngram or --draft-model, not both")
-    if args.num_speculative is not None and not (args.speculate or args.draft_model):
-        raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
-    if args.draft_quant is not None and not args.draft_model:
-        raise UsageError("--draft-quant needs --draft-model")
+    check_speculative_args(args)
     if args.num_speculative is not None and not 1 <= args.num_speculative <= 32:
         raise UsageError(f"--num-speculative must be in [1, 32], got {args.num_speculative}")
     if args.draft_model:
-        path = Path(args.draft_model)
-        if not path.exists():
-            raise UsageError(f"no draft model at {args.draft_model}")
-        draft = load_draft(args)
-        return dict(speculative=draft, num_speculative=args.num_speculative)
+        return dict(speculative=load_draft(args), num_speculative=args.num_speculative)
     if args.speculate:
         return dict(speculative=args.speculate, num_speculative=args.num_speculative)
     return {}

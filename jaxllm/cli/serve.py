@@ -73,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import jaxllm
-    from jaxllm.cli.common import UsageError, _model_path
+    from jaxllm.cli.common import UsageError, _model_path, check_speculative_args
     from jaxllm.io import paths
     from jaxllm.engine.generate import bucket
     from jaxllm.engine.process import ProcessEngine
@@ -82,14 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.prefill_chunk < 16 or bucket(args.prefill_chunk) != args.prefill_chunk:
         raise UsageError(f"--prefill-chunk must be a power of two >= 16 or a multiple of 1024, "
                          f"got {args.prefill_chunk}")
-    if args.speculate and args.draft_model:
-        raise UsageError("give --speculate ngram or --draft-model, not both")
-    if args.num_speculative is not None and not (args.speculate or args.draft_model):
-        raise UsageError("--num-speculative needs --speculate ngram or --draft-model")
-    if args.draft_quant is not None and not args.draft_model:
-        raise UsageError("--draft-quant needs --draft-model")
-    if args.draft_model and not Path(args.draft_model).exists():
-        raise UsageError(f"no draft model at {args.draft_model}")
+    check_speculative_args(args)
     if args.draft_model and args.tp > 1:
         raise UsageError("--draft-model runs on one device: it cannot be combined with --tp yet")
     if args.max_context is not None and args.max_context < 2:
