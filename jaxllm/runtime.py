@@ -33,13 +33,14 @@ _fallen_back: set[str] = set()
 _fallen_back_lock = threading.Lock()
 
 
-def fall_back(family: str, reason: str) -> None:
-    """Say once a process, in one line, that kernel `family` takes XLA's form, and why."""
+def fall_back(family: str, reason: str, instead: str = "takes XLA's form instead") -> None:
+    """Say once a process, in one line, that kernel `family` takes XLA's form (or what `instead`
+    says it does), and why."""
     with _fallen_back_lock:
         if family in _fallen_back:
             return
         _fallen_back.add(family)
-    warnings.warn(f"jaxllm: the {family} kernel takes XLA's form instead: {reason}",
+    warnings.warn(f"jaxllm: the {family} kernel {instead}: {reason}",
                   KernelFallbackWarning, stacklevel=3)
 
 

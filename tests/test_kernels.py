@@ -562,16 +562,20 @@ def test_projections_ask_l2_for_the_matrix_read_next(monkeypatch, project_mode, 
         assert len(shape) == len(read) and all(r in (-1, n) for r, n in zip(read, shape))
 
 
-def test_prefetch_rules_and_its_lowering(monkeypatch):
+def _probes_pass(monkeypatch):
+    """The step plan's compile probes as on a Hopper GPU where every kernel compiles."""
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(plan, "compiles", lambda family, mode, tuning, **variant: mode)
+
+
+def test_prefetch_rules(monkeypatch):
     """Matrices of at most PREFETCH_MAX_BYTES are asked for (int8 ones by their bytes), on a GPU
-    from Hopper on; the ask lowers to Hopper's bulk L2 prefetch inside the Triton kernel, through
-    JAX's Pallas Triton lowering rules (internals: this fails if they change)."""
-    assert common.PREFETCH_P is not None
+    from Hopper on."""
     limit = tuning().prefetch_max_bytes
     assert limit == 4 * 2**20
     small, large = jnp.zeros((1024, 2048), jnp.bfloat16), jnp.zeros((1024, 2049), jnp.bfloat16)
     assert not plan.prefetched(small)  # no GPU here
-    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    _probes_pass(monkeypatch)
     assert plan.prefetched(small) and not plan.prefetched(large)
     assert plan.prefetched(quantize(large.astype(jnp.float32))) and not plan.prefetched(None)
     tune(monkeypatch, prefetch_max_bytes=0)
@@ -580,16 +584,70 @@ def test_prefetch_rules_and_its_lowering(monkeypatch):
     tune(monkeypatch, prefetch_max_bytes=limit)
     assert not plan.prefetched(small)
 
-    def lowered(*ahead):
+
+def test_a_prefetch_that_does_not_compile_is_left_out_with_one_warning(monkeypatch):
+    """The ask is a hint: where its form fails to compile, the projections keep their kernels and
+    ask for nothing, after one line that says so."""
+    from jaxllm.kernels import probe
+
+    def broken(mode, t):
+        raise NotImplementedError("no lowering for this asm")
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(probe, "_results", {})
+    monkeypatch.setattr(runtime, "_fallen_back", set())
+    monkeypatch.setitem(probe.PROBES, "l2_prefetch", broken)
+    small = jnp.zeros((1024, 2048), jnp.bfloat16)
+    with pytest.warns(runtime.KernelFallbackWarning) as caught:
+        assert not plan.prefetched(small) and not plan.prefetched(small)
+    assert [str(w.message) for w in caught] == [
+        "jaxllm: the l2_prefetch kernel is left out (the projections ask L2 for nothing): its kernel "
+        "does not compile here (NotImplementedError: no lowering for this asm)"]
+
+
+@pytest.mark.parametrize("form", ["primitive", "asm"])
+def test_prefetch_lowers_in_the_triton_kernel(form):
+    """The ask lowers to Hopper's bulk L2 prefetch (or a line at a time) inside the Triton kernel:
+    the "asm" form through Pallas' public inline asm, the "primitive" form through JAX's Pallas
+    Triton lowering rules (internals: this fails if they change)."""
+    assert common.PREFETCH_P is not None or form == "asm"
+
+    def lowered(*ahead, lines=False):
         call = lambda x, w, *a: project_module._project_kernel_call(
             x, w, None, None, None, a, eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
-            rows=4, chunk=1024, warps=4, interpret=False)
+            rows=4, chunk=1024, warps=4, interpret=False, lines=lines, prefetch_form=form)
         args = [jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16),
                 jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), *ahead]
         return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    assert "cp.async.bulk.prefetch.L2" in lowered(jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16))
-    assert "cp.async.bulk.prefetch.L2" not in lowered()
+    later = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)
+    assert "cp.async.bulk.prefetch.L2" in lowered(later)
+    assert "prefetch.global.L2::evict_last" in lowered(later, lines=True)
+    assert "prefetch" not in lowered()
+
+
+@pytest.mark.parametrize("nbytes, programs, lines", [(4 * 2**20, 1024, False), (663552, 288, False),
+                                                     (2**20, 512, True), (2**22, 4096, True)])
+def test_prefetch_asm_deals_the_whole_matrix(nbytes, programs, lines):
+    """The deal the "asm" form computes for every lane of every program, with the constants the
+    asm carries: the pieces cover the matrix and nothing past its end (bulk sizes of 16s; lines
+    whole, each asked for once)."""
+    stride, piece = common.prefetch_pieces(nbytes, programs, 128, lines)
+    asm = common.prefetch_asm(nbytes, programs, stride, piece, lines)
+    t, p = np.arange(128)[:, None], np.arange(programs)[None, :]
+    q = t * stride + p - (programs - stride)
+    count = np.where(q < 0, 0, np.clip(nbytes - q * piece, 0, piece))
+    assert f"mad.lo.s32 q, t, {stride}, $2;" in asm and f"sub.s32 q, q, {programs - stride};" in asm
+    assert f"mul.lo.s32 c, q, {-piece};" in asm and f"add.s32 c, c, {nbytes};" in asm
+    covered = np.zeros(nbytes + piece, np.int32)
+    for start, n in zip((q * piece)[count > 0], count[count > 0]):
+        covered[start:start + n] += 1
+    assert not covered[nbytes:].any()
+    if lines:  # whole lines, each asked for once, as many instructions as a piece has lines
+        assert (covered[:nbytes] == 1).all()
+        assert piece % 128 == 0 and asm.count("prefetch.global.L2::evict_last") == piece // 128
+    else:  # each piece asked for once in every stride-th program (the last among the last stride)
+        assert (covered[:nbytes] >= 1).all() and (count % 16 == 0).all()
+        assert asm.count("cp.async.bulk.prefetch.L2") == 1
 
 
 def _kernel_reads(weights_first: bool, squares_last: bool = False):
@@ -642,7 +700,7 @@ def test_weights_first_rules(monkeypatch):
     `prefetched` asks L2 for: on a GPU from Hopper on, each at most PREFETCH_MAX_BYTES."""
     small, large = jnp.zeros((1024, 2048), jnp.bfloat16), jnp.zeros((1024, 2049), jnp.bfloat16)
     assert not plan.weights_first([small])  # no GPU here
-    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    _probes_pass(monkeypatch)
     assert plan.weights_first([small, small])
     assert not plan.weights_first([small, large])  # one from HBM: as before
     assert not plan.weights_first([small, quantize(small.astype(jnp.float32))])  # int8

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import runtime
-from jaxllm.kernels.tuning import KernelTuning
+from jaxllm.kernels.tuning import KernelTuning, current
 from jaxllm.layers import dense as L
 
 # Every family is written for Pallas' Triton backend, which JAX 0.11 deprecated: imported here
@@ -133,7 +133,7 @@ _PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
 def _prefetch_primitive(asm: str, name: str):
     """The primitive (ref, element offsets [n], byte counts [n]) -> int32 [n] zeros that asks L2
     for those ranges of ref by `asm` (a count of 0 asks nothing), or None where JAX's internals
-    differ or the Triton backend is unavailable."""
+    differ or the Triton backend is unavailable. The "primitive" form (`KernelTuning.prefetch_form`)."""
     if TRITON_MISSING is not None:
         return None
     try:
@@ -163,27 +163,71 @@ def _prefetch_primitive(asm: str, name: str):
 PREFETCH_P = _prefetch_primitive(_PREFETCH_ASM, "jaxllm_l2_prefetch")
 PREFETCH_LINES_P = _prefetch_primitive(_PREFETCH_LINES_ASM, "jaxllm_l2_prefetch_lines")
 
-def can_prefetch() -> bool:
-    """Whether kernels can ask L2 for a matrix here: a GPU from Hopper on, JAX's internals as known."""
-    return PREFETCH_P is not None and runtime.gpu_generation() >= 9
+
+def can_prefetch(tuning: KernelTuning | None = None) -> bool:
+    """Whether kernels can ask L2 for a matrix here: a GPU from Hopper on, the Triton backend there
+    (and, for the "primitive" form, JAX's internals as known)."""
+    asm = (tuning or current()).prefetch_form == "asm"
+    form_ok = TRITON_MISSING is None if asm else PREFETCH_P is not None
+    return form_ok and runtime.gpu_generation() >= 9
 
 
-def prefetch(ref, programs: int, lanes: int, after, lines: bool = False):
-    """Ask L2 for all of the flat ref, in pieces dealt to the lanes of the kernel's `programs`
-    (see PREFETCH_STRIDE_PER_MULTIPROCESSOR); `after`, a float the program computed, holds the
-    asks back until it is made. With `lines`, a line at a time, each piece
-    asked for once, by one lane of one program."""
-    nbytes = ref.shape[0] * jnp.dtype(ref.dtype).itemsize // 16 * 16  # bulk sizes are of 16s
+def prefetch_pieces(nbytes: int, programs: int, lanes: int, lines: bool) -> tuple[int, int] | None:
+    """How the asks for `nbytes` are dealt: (stride, piece bytes) with lane t of program p (of
+    `programs`) asking for piece q = t*stride + p - (programs - stride), or None where nothing is
+    asked (a line at a time, a matrix needing more than PREFETCH_LINE_COUNT lines a lane)."""
     if lines:  # pieces of whole lines, every program's lanes sharing the matrix
-        stride = programs
-        piece = -(-nbytes // (stride * lanes * 128)) * 128
-        if piece > 128 * PREFETCH_LINE_COUNT:
-            return
-    else:
-        stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * runtime.multiprocessors())
-        piece = max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
+        piece = -(-nbytes // (programs * lanes * 128)) * 128
+        return None if piece > 128 * PREFETCH_LINE_COUNT else (programs, piece)
+    stride = min(programs, PREFETCH_STRIDE_PER_MULTIPROCESSOR * runtime.multiprocessors())
+    return stride, max(PREFETCH_PIECE, -(-nbytes // (stride * lanes)) // 16 * 16 + 16)
+
+
+def prefetch_asm(nbytes: int, programs: int, stride: int, piece: int, lines: bool) -> str:
+    """The "asm" form's PTX: this lane's piece (lane %tid.x of program $2, as `prefetch_pieces`
+    deals them) of the matrix at address $1, by Hopper's bulk prefetch or, with `lines`, a line
+    at a time; $3, the float the program made, only orders it. Returns 0 in $0."""
+    ask = ("setp.ne.s32 p, c, 0;\n@p cp.async.bulk.prefetch.L2.global [a], c;\n" if not lines else
+           "".join(f"setp.gt.s32 p, c, {128 * i};\n@p prefetch.global.L2::evict_last [a+{128 * i}];\n"
+                   for i in range(piece // 128)))
+    return ("{\n.reg .pred p;\n.reg .s32 t, q, c;\n.reg .s64 o, a;\n"
+            "mov.u32 t, %tid.x;\n"
+            f"mad.lo.s32 q, t, {stride}, $2;\n"
+            f"sub.s32 q, q, {programs - stride};\n"  # q < 0: no piece
+            f"mul.lo.s32 c, q, {-piece};\n"
+            f"add.s32 c, c, {nbytes};\n"  # what is left of the matrix from piece q
+            f"min.s32 c, c, {piece};\n"
+            "max.s32 c, c, 0;\n"
+            "setp.lt.s32 p, q, 0;\n"
+            "selp.s32 c, 0, c, p;\n"
+            f"mul.wide.s32 o, q, {piece};\n"
+            "add.s64 a, $1, o;\n"
+            + ask + "mov.b32 $0, 0;\n}")
+
+
+def prefetch(ref, nbytes: int, programs: int, lanes: int, after, lines: bool = False, form: str = "asm"):
+    """Ask L2 for the first `nbytes` of the flat matrix behind `ref`, in pieces dealt to the lanes
+    of the kernel's `programs` (`prefetch_pieces`); `after`, a float the program computed, holds
+    the asks back until it is made. With `lines`, a line at a time, each piece asked for once, by
+    one lane of one program.
+
+    `form` "asm" (`ref` a [1] block at the matrix's start: its address is all the asm takes) is
+    Pallas' public inline asm, which is pure: it returns an int32 [1] of zeros that the kernel must
+    fold into what it stores, or the ask goes with the unused value. "primitive" (`ref` the whole
+    flat matrix) binds this module's primitive, built on JAX's internals; it returns None."""
+    dealt = prefetch_pieces(nbytes, programs, lanes, lines)
+    if dealt is None:
+        return None
+    stride, piece = dealt
+    if form == "asm":
+        (zero,) = plt.elementwise_inline_asm(
+            prefetch_asm(nbytes, programs, stride, piece, lines), constraints="=r,l,r,f", pack=1,
+            args=[ref, jnp.zeros((1,), jnp.int32) + pl.program_id(0), jnp.zeros((1,), jnp.float32) + after],
+            result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+        return zero
     q = jnp.arange(lanes, dtype=jnp.int32) * stride + pl.program_id(0) - (programs - stride)
     counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: no piece
     counts = jnp.where(jnp.isnan(after), 0, counts)  # never true for a sum made; but it waits
     offsets = jnp.where(counts > 0, q * (piece // jnp.dtype(ref.dtype).itemsize), 0)
     (PREFETCH_LINES_P if lines else PREFETCH_P).bind(ref, offsets, counts)
+    return None

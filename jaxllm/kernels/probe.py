@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxllm import runtime
 from jaxllm.kernels.add_norm import add_norm
 from jaxllm.kernels.decode_attention import decode_attention, verify_attention
-from jaxllm.kernels.project import project
+from jaxllm.kernels.project import _project_kernel_call, project
 from jaxllm.kernels.route import route
 from jaxllm.kernels.rows_project import rows_project
 from jaxllm.kernels.tuning import KernelTuning
@@ -73,6 +73,16 @@ def _project(mode: str, t: KernelTuning) -> None:
     _compile(run, _spec((1, _D)), _spec((_F, _D)), _spec((2, _F, _D)), _spec((_D,)))
 
 
+def _l2_prefetch(mode: str, t: KernelTuning) -> None:
+    """`project` asking L2 for a later matrix, bulk and a line at a time (in the tuning's form)."""
+    def run(x, w, later):
+        return [_project_kernel_call(x, w, None, None, None, (later,), eps=1e-6, swiglu=False,
+                                     out_dtype=jnp.dtype(jnp.bfloat16), rows=2, chunk=_D, warps=4,
+                                     interpret=mode == "interpret", lines=lines, prefetch_form=t.prefetch_form)
+                for lines in (False, True)]
+    _compile(run, _spec((1, _D)), _spec((_F, _D)), _spec((_F, _D)))
+
+
 def _rows_project(mode: str, t: KernelTuning) -> None:
     _compile(lambda x, w: rows_project(x, w, mode=mode, tuning=t), _spec((t.rows_min, _D)), _spec((_F, _D)))
 
@@ -87,7 +97,9 @@ def _route(mode: str, t: KernelTuning) -> None:
 
 
 PROBES = {"decode_attention": _decode_attention, "verify_attention": _verify_attention, "project": _project, "rows_project": _rows_project,
-          "add_norm": _add_norm, "route": _route}
+          "add_norm": _add_norm, "route": _route, "l2_prefetch": _l2_prefetch}
+# What a family that does not compile does instead, where that is not XLA's form.
+INSTEAD = {"l2_prefetch": "is left out (the projections ask L2 for nothing)"}
 
 
 def compiles(family: str, mode: str | None, tuning: KernelTuning, **variant) -> str | None:
@@ -104,7 +116,8 @@ def compiles(family: str, mode: str | None, tuning: KernelTuning, **variant) -> 
                 _results[key] = True
             except Exception as e:  # whatever a lowering or a compiler raises
                 reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                runtime.fall_back(family, f"its kernel does not compile here ({reason})")
+                runtime.fall_back(family, f"its kernel does not compile here ({reason})",
+                                  *[INSTEAD[family]] if family in INSTEAD else [])
                 _results[key] = False
             finally:
                 _probing.on = False

@@ -165,10 +165,10 @@ def prefetched(w, tuning: KernelTuning | None = None) -> bool:
     """Whether a kernel asks L2 for matrix w (a `QuantizedWeight`'s int8 bytes) ahead of its use:
     on a GPU from Hopper on, at most prefetch_max_bytes
     (docs/decisions/one-row-projection.md#l2-prefetch-of-the-next-matrix)."""
-    if w is None or not can_prefetch():
+    t = tuning or current()
+    if w is None or not can_prefetch(t) or stored(w).size * stored(w).dtype.itemsize > t.prefetch_max_bytes:
         return False
-    w = stored(w)
-    return w.size * w.dtype.itemsize <= (tuning or current()).prefetch_max_bytes
+    return compiles("l2_prefetch", "gpu", t) is not None  # a form that fails to compile: no ask
 
 
 def weights_first(matrices, tuning: KernelTuning | None = None) -> bool:
