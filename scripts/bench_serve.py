@@ -45,6 +45,11 @@ processor time) and process_cpu_ms_per_step (this process's: the engine, the ser
 threads; in http mode the server's alone; never the HTTP client's); for http modes, http_impl
 (uvicorn's HTTP layer: httptools, or h11 when httptools is not installed); errors.
 
+After each http mode's runs, a `<mode>-disconnect` line (unless --disconnects 0): N streaming
+requests, one at a time, each closing its connection after 8 tokens; free_ms_p50 and free_ms_max
+(from the close until the engine's slots_in_use is 0 again), step_ms_p50 (those streams'
+inter-token time), within_step_and_100ms (free_ms_max <= step_ms_p50 + 100), slots_in_use_after.
+
 --fake-device MS measures the host side alone, on any machine: the engine's device programs are
 replaced by ones that compute nothing (the tokens are not a model's) and whose results are ready
 MS ms after the previous call's, as on a device that takes MS ms a call and never waits for the
@@ -120,6 +125,9 @@ def parse_args(argv):
     p.add_argument("--mode", default="engine,http,static",
                    help="a comma list of engine, http, http-thread, static (default: engine,http,static)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds a mode may take (default: 3600)")
+    p.add_argument("--disconnects", type=int, default=8, metavar="N",
+                   help="after the http modes' runs, N streams that leave after 8 tokens, each timed until "
+                        "its row is free (0: none; default: 8)")
     p.add_argument("--time-device-every", type=int, default=16, metavar="K",
                    help="time one engine iteration in K alone on the device (0: never; default: 16)")
     p.add_argument("--fake-device", type=float, default=None, metavar="MS",
@@ -141,8 +149,8 @@ def parse_args(argv):
         p.error("--requests and --max-slots must be >= 1, --max-context >= 2")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    if args.time_device_every < 0 or args.fake_device is not None and not args.fake_device >= 0:
-        p.error("--time-device-every and --fake-device must be >= 0")
+    if args.time_device_every < 0 or args.disconnects < 0 or args.fake_device is not None and not args.fake_device >= 0:
+        p.error("--time-device-every, --disconnects and --fake-device must be >= 0")
     drafts = [x for x in (args.speculate, args.draft_model, args.draft_preset) if x]
     if len(drafts) > 1:
         p.error("give one of --speculate, --draft-model, --draft-preset")
@@ -350,8 +358,9 @@ class IdTokenizer:
         return [int(t) for t in text.split()]
 
 
-async def _stream(port: int, body: bytes, times: list, usage: dict) -> int:
-    """POST a streaming completion over a raw HTTP/1.1 connection; time every SSE chunk with text."""
+async def _stream(port: int, body: bytes, times: list, usage: dict, leave_after: int | None = None) -> int:
+    """POST a streaming completion over a raw HTTP/1.1 connection; time every SSE chunk with text.
+    With `leave_after`, close the connection once that many have come (a client that goes away)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
@@ -385,6 +394,8 @@ async def _stream(port: int, body: bytes, times: list, usage: dict) -> int:
                 usage.update(message["usage"])
             if any(c.get("text") for c in message.get("choices", [])):
                 times.append(time.perf_counter())
+        if leave_after is not None and len(times) >= leave_after:
+            break
     writer.close()
     return status
 
@@ -462,6 +473,29 @@ def http_server(engine, vocab: int):
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def probe_disconnects(port: int, engine, args, vocab: int) -> dict:
+    """--disconnects streams, one at a time on an idle engine: each reads 8 tokens, closes its
+    connection, and is timed until the engine's slots in use are back to 0 (issue 58: within one
+    step + 100 ms). The step is the stream's own inter-token time."""
+    rng = np.random.default_rng(args.seed + 1)
+    free_ms, itl = [], []
+    for _ in range(args.disconnects):
+        prompt = [int(t) for t in rng.integers(3, vocab, max(1, min(16, args.max_context // 4)))]
+        body = json.dumps(dict(model="bench", prompt=prompt, max_tokens=min(512, args.max_context - len(prompt)),
+                               temperature=0, ignore_eos=True, stream=True)).encode()
+        times = []
+        asyncio.run(_stream(port, body, times, {}, leave_after=8))
+        left = time.perf_counter()
+        while engine.stats()["slots_in_use"] and time.perf_counter() - left < 30:
+            time.sleep(0.0005)
+        free_ms.append((time.perf_counter() - left) * 1e3)
+        itl.extend(np.diff(times) * 1e3)
+    step = float(np.median(itl))
+    return dict(disconnects=args.disconnects, free_ms_p50=round(float(np.median(free_ms)), 3),
+                free_ms_max=round(max(free_ms), 3), step_ms_p50=round(step, 3),
+                within_step_and_100ms=max(free_ms) <= step + 100, slots_in_use_after=engine.stats()["slots_in_use"])
 
 
 def run_http(port: int, jobs, timeout: float, concurrency: int | None = None):
@@ -610,6 +644,12 @@ def main(argv=None) -> int:
             before, cpu = engine.stats(), time.process_time()
             emit(mode, rate, jobs, run(jobs), before, cpu)
 
+    def disconnects(mode, port):
+        if args.disconnects:
+            log(f"{mode}: {args.disconnects} streams that leave after 8 tokens")
+            line = dict(mode=f"{mode}-disconnect", **label, **probe_disconnects(port, engine, args, vocab))
+            print(json.dumps(line), flush=True)
+
     # http first, as `jaxllm serve` runs: the engine in a process of its own, which gets the whole
     # device while this process has not touched it; then every rate in engine mode and http-thread
     # mode (one engine, in this process), then static once (on the first rate's requests: static
@@ -621,6 +661,7 @@ def main(argv=None) -> int:
         label["dtype"] = _dtype(args, engine.info["platform"])
         with http_server(engine, vocab) as port:  # which shuts the engine down at its end
             each_rate("http", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
+            disconnects("http", port)
         engine = None
     if not {"engine", "http-thread", "static"} & set(args.modes):
         return 0
@@ -636,6 +677,7 @@ def main(argv=None) -> int:
     if "http-thread" in args.modes:
         with http_server(engine, vocab) as port:  # which shuts the engine down at its end
             each_rate("http-thread", lambda jobs: run_http(port, jobs, args.timeout, args.max_concurrency))
+            disconnects("http-thread", port)
         engine = None
     if "static" in args.modes:
         if engine is not None:  # its cache goes before generate's batches need the memory

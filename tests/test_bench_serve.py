@@ -23,7 +23,7 @@ def _bench_serve(*args) -> list[dict]:
 def test_bench_serve_runs_every_mode_on_the_same_requests():
     lines = _bench_serve("--preset", "tiny", "--requests", "6", "--max-slots", "4", "--max-context", "128",
                          "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--rate", "50",
-                         "--mode", "static,http-thread,engine,http")
+                         "--mode", "static,http-thread,engine,http", "--disconnects", "0")
     assert [line["mode"] for line in lines] == ["http", "engine", "http-thread", "static"]
     tokens = {line["output_tokens"] for line in lines}
     assert len(tokens) == 1 and tokens.pop() > 6  # every mode made every request's tokens
@@ -43,7 +43,7 @@ def test_bench_serve_fake_device_runs_the_host_side_alone():
     """--fake-device, at two rates in one run (a line each rate and mode, the same requests)."""
     lines = _bench_serve("--preset", "tiny", "--requests", "12", "--max-slots", "4", "--max-context", "128",
                          "--prefill-chunk", "32", "--input-len", "4,48", "--output-len", "2,16", "--fake-device", "1",
-                         "--mode", "engine,http", "--rate", "400,800")
+                         "--mode", "engine,http", "--rate", "400,800", "--disconnects", "0")
     assert [(line["mode"], line["rate"]) for line in lines] == [("http", 400), ("http", 800), ("engine", 400),
                                                                ("engine", 800)]
     for line in lines:
@@ -53,6 +53,19 @@ def test_bench_serve_fake_device_runs_the_host_side_alone():
         # one call that counts as a decode step and a prefill call)
         calls = line["decode_steps"] + line["prefill_calls"] + line["chunk_calls"] - line["mixed_steps"]
         assert line["device_ms_per_step"] == round(calls / line["decode_steps"], 4)
+
+
+@pytest.mark.slow
+def test_bench_serve_times_the_row_of_a_stream_that_leaves():
+    """Streams that close after 8 of their 112 tokens, on a fake device of 20 ms a step: each row is
+    free long before the 104 steps it had left (about 2 s), and the line says by how much."""
+    lines = _bench_serve("--preset", "tiny", "--requests", "2", "--max-slots", "2", "--max-context", "128",
+                         "--prefill-chunk", "32", "--input-len", "4,8", "--output-len", "2,4", "--fake-device", "20",
+                         "--mode", "http", "--disconnects", "2")
+    assert [line["mode"] for line in lines] == ["http", "http-disconnect"]
+    line = lines[1]
+    assert line["disconnects"] == 2 and line["slots_in_use_after"] == 0 and line["step_ms_p50"] >= 15
+    assert 0 < line["free_ms_p50"] <= line["free_ms_max"] < 1000
 
 
 @pytest.mark.slow
@@ -73,7 +86,7 @@ def test_bench_serve_max_concurrency_one_is_a_lone_stream():
     decode step runs one row (the single-stream latency the serving issue compares with bench.py)."""
     lines = _bench_serve("--preset", "tiny", "--requests", "4", "--max-slots", "4", "--max-context", "128",
                          "--prefill-chunk", "32", "--input-len", "4,16", "--output-len", "4,16", "--fake-device", "1",
-                         "--mode", "engine,http", "--max-concurrency", "1")
+                         "--mode", "engine,http", "--max-concurrency", "1", "--disconnects", "0")
     assert [line["mode"] for line in lines] == ["http", "engine"]
     for line in lines:
         assert line["errors"] == [] and line["max_concurrency"] == 1
