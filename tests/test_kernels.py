@@ -604,17 +604,14 @@ def test_a_prefetch_that_does_not_compile_is_left_out_with_one_warning(monkeypat
         "does not compile here (NotImplementedError: no lowering for this asm)"]
 
 
-@pytest.mark.parametrize("form", ["primitive", "asm"])
-def test_prefetch_lowers_in_the_triton_kernel(form):
-    """The ask lowers to Hopper's bulk L2 prefetch (or a line at a time) inside the Triton kernel:
-    the "asm" form through Pallas' public inline asm, the "primitive" form through JAX's Pallas
-    Triton lowering rules (internals: this fails if they change)."""
-    assert common.PREFETCH_P is not None or form == "asm"
+def test_prefetch_lowers_in_the_triton_kernel():
+    """The ask lowers to Hopper's bulk L2 prefetch (or a line at a time) inside the Triton kernel,
+    through Pallas' public inline asm."""
 
     def lowered(*ahead, lines=False):
         call = lambda x, w, *a: project_module._project_kernel_call(
             x, w, None, None, None, a, eps=1e-6, swiglu=False, out_dtype=jnp.dtype(jnp.bfloat16),
-            rows=4, chunk=1024, warps=4, interpret=False, lines=lines, prefetch_form=form)
+            rows=4, chunk=1024, warps=4, interpret=False, lines=lines)
         args = [jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16),
                 jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), *ahead]
         return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -628,7 +625,7 @@ def test_prefetch_lowers_in_the_triton_kernel(form):
 @pytest.mark.parametrize("nbytes, programs, lines", [(4 * 2**20, 1024, False), (663552, 288, False),
                                                      (2**20, 512, True), (2**22, 4096, True)])
 def test_prefetch_asm_deals_the_whole_matrix(nbytes, programs, lines):
-    """The deal the "asm" form computes for every lane of every program, with the constants the
+    """The deal the ask's asm computes for every lane of every program, with the constants the
     asm carries: the pieces cover the matrix and nothing past its end (bulk sizes of 16s; lines
     whole, each asked for once)."""
     stride, piece = common.prefetch_pieces(nbytes, programs, 128, lines)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import runtime
-from jaxllm.kernels.tuning import KernelTuning, current
+from jaxllm.kernels.tuning import KernelTuning
 from jaxllm.layers import dense as L
 
 # Every family is written for Pallas' Triton backend, which JAX 0.11 deprecated: imported here
@@ -109,67 +109,22 @@ def to_f32(w, permute: bool):
 
 # L2 prefetch: `project`'s kernel asks L2 for the next projection's small matrix once its own sums
 # are made, with Hopper's bulk prefetch (cp.async.bulk.prefetch.L2) or a line at a time
-# (docs/decisions/one-row-projection.md#l2-prefetch-of-the-next-matrix). Pallas has no prefetch
-# and its refs' addresses are not values, so a small primitive does it.
+# (docs/decisions/one-row-projection.md#l2-prefetch-of-the-next-matrix). Pallas has no prefetch and
+# its refs' addresses are not values: its public inline asm, given a one-element block of the
+# matrix, receives the matrix's address (docs/decisions/one-row-projection.md#the-asks-form).
 PREFETCH_PIECE = 4096  # the least bytes one lane asks for
 # Lane t of program p (of P) asks for piece t*A + p - (P - A), A this many times the
 # multiprocessors (or P): each piece asked once in every A-th program, the last among the last A.
 PREFETCH_STRIDE_PER_MULTIPROCESSOR = 2
-_PREFETCH_ASM = """{
-.reg .pred p;
-setp.ne.s32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.b32 $0, 0;
-}"""
 # Where a layer's weights come from HBM (not `weights_first`), the kernel asks a line at a time
 # (prefetch.global.L2::evict_last): the bulk copy holds the asking kernel open until what it asked
 # for has come, a line asked for does not.
 PREFETCH_LINE_COUNT = 16  # lines one lane asks for, at most: a matrix needing more is not asked for
-_PREFETCH_LINES_ASM = "{\n.reg .pred p;\n" + "".join(
-    f"setp.gt.s32 p, $2, {128 * i};\n@p prefetch.global.L2::evict_last [$1+{128 * i}];\n"
-    for i in range(PREFETCH_LINE_COUNT)) + "mov.b32 $0, 0;\n}"
 
 
-def _prefetch_primitive(asm: str, name: str):
-    """The primitive (ref, element offsets [n], byte counts [n]) -> int32 [n] zeros that asks L2
-    for those ranges of ref by `asm` (a count of 0 asks nothing), or None where JAX's internals
-    differ or the Triton backend is unavailable. The "primitive" form (`KernelTuning.prefetch_form`)."""
-    if TRITON_MISSING is not None:
-        return None
-    try:
-        from jax._src import core as jax_core
-        from jax._src.interpreters import partial_eval as pe
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.triton import dialect as tt_dialect
-        from jax._src.pallas.triton import lowering as triton_lowering
-        add, broadcast = triton_lowering._add, triton_lowering._bcast_to
-    except Exception:  # ImportError, AttributeError, or whatever a changed internal raises
-        return None
-    prim = jax_core.Primitive(name)
-    prim.def_abstract_eval(lambda ref, offsets, counts: jax_core.ShapedArray(offsets.shape, jnp.int32))
-    pe.dce_rules[prim] = lambda used, eqn: ([True] * len(eqn.invars), eqn)  # its effect is the point
-
-    @triton_lowering.register_lowering(prim)
-    def _lower(ctx, ptr, offsets, counts):
-        shape = ctx.avals_in[1].shape
-        out = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32))
-        return tt_dialect.elementwise_inline_asm(
-            [out], asm, constraints="=r,l,r", pure=False, packed_element=1,
-            args=[add(broadcast(ptr, shape), offsets), counts])
-
-    return prim
-
-
-PREFETCH_P = _prefetch_primitive(_PREFETCH_ASM, "jaxllm_l2_prefetch")
-PREFETCH_LINES_P = _prefetch_primitive(_PREFETCH_LINES_ASM, "jaxllm_l2_prefetch_lines")
-
-
-def can_prefetch(tuning: KernelTuning | None = None) -> bool:
-    """Whether kernels can ask L2 for a matrix here: a GPU from Hopper on, the Triton backend there
-    (and, for the "primitive" form, JAX's internals as known)."""
-    asm = (tuning or current()).prefetch_form == "asm"
-    form_ok = TRITON_MISSING is None if asm else PREFETCH_P is not None
-    return form_ok and runtime.gpu_generation() >= 9
+def can_prefetch() -> bool:
+    """Whether kernels can ask L2 for a matrix here: a GPU from Hopper on, the Triton backend there."""
+    return TRITON_MISSING is None and runtime.gpu_generation() >= 9
 
 
 def prefetch_pieces(nbytes: int, programs: int, lanes: int, lines: bool) -> tuple[int, int] | None:
@@ -184,7 +139,7 @@ def prefetch_pieces(nbytes: int, programs: int, lanes: int, lines: bool) -> tupl
 
 
 def prefetch_asm(nbytes: int, programs: int, stride: int, piece: int, lines: bool) -> str:
-    """The "asm" form's PTX: this lane's piece (lane %tid.x of program $2, as `prefetch_pieces`
+    """The ask's PTX: this lane's piece (lane %tid.x of program $2, as `prefetch_pieces`
     deals them) of the matrix at address $1, by Hopper's bulk prefetch or, with `lines`, a line
     at a time; $3, the float the program made, only orders it. Returns 0 in $0."""
     ask = ("setp.ne.s32 p, c, 0;\n@p cp.async.bulk.prefetch.L2.global [a], c;\n" if not lines else
@@ -205,29 +160,19 @@ def prefetch_asm(nbytes: int, programs: int, stride: int, piece: int, lines: boo
             + ask + "mov.b32 $0, 0;\n}")
 
 
-def prefetch(ref, nbytes: int, programs: int, lanes: int, after, lines: bool = False, form: str = "asm"):
-    """Ask L2 for the first `nbytes` of the flat matrix behind `ref`, in pieces dealt to the lanes
-    of the kernel's `programs` (`prefetch_pieces`); `after`, a float the program computed, holds
-    the asks back until it is made. With `lines`, a line at a time, each piece asked for once, by
-    one lane of one program.
-
-    `form` "asm" (`ref` a [1] block at the matrix's start: its address is all the asm takes) is
-    Pallas' public inline asm, which is pure: it returns an int32 [1] of zeros that the kernel must
-    fold into what it stores, or the ask goes with the unused value. "primitive" (`ref` the whole
-    flat matrix) binds this module's primitive, built on JAX's internals; it returns None."""
+def prefetch(ref, nbytes: int, programs: int, lanes: int, after, lines: bool = False):
+    """Ask L2 for the first `nbytes` of the flat matrix behind `ref` (a one-element block at its
+    start: its address is all the asm takes), in pieces dealt to the lanes of the kernel's
+    `programs` (`prefetch_pieces`); `after`, a float the program computed, holds the asks back
+    until it is made. With `lines`, a line at a time, each piece asked for once, by one lane of
+    one program. Pallas' inline asm is pure: the ask returns an int32 [1] of zeros that the kernel
+    must fold into what it stores, or the ask goes with the unused value; None where nothing is
+    asked."""
     dealt = prefetch_pieces(nbytes, programs, lanes, lines)
     if dealt is None:
         return None
-    stride, piece = dealt
-    if form == "asm":
-        (zero,) = plt.elementwise_inline_asm(
-            prefetch_asm(nbytes, programs, stride, piece, lines), constraints="=r,l,r,f", pack=1,
-            args=[ref, jnp.zeros((1,), jnp.int32) + pl.program_id(0), jnp.zeros((1,), jnp.float32) + after],
-            result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-        return zero
-    q = jnp.arange(lanes, dtype=jnp.int32) * stride + pl.program_id(0) - (programs - stride)
-    counts = jnp.where(q >= 0, jnp.clip(nbytes - q * piece, 0, piece), 0)  # q < 0: no piece
-    counts = jnp.where(jnp.isnan(after), 0, counts)  # never true for a sum made; but it waits
-    offsets = jnp.where(counts > 0, q * (piece // jnp.dtype(ref.dtype).itemsize), 0)
-    (PREFETCH_LINES_P if lines else PREFETCH_P).bind(ref, offsets, counts)
-    return None
+    (zero,) = plt.elementwise_inline_asm(
+        prefetch_asm(nbytes, programs, *dealt, lines), constraints="=r,l,r,f", pack=1,
+        args=[ref, jnp.zeros((1,), jnp.int32) + pl.program_id(0), jnp.zeros((1,), jnp.float32) + after],
+        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return zero

@@ -74,11 +74,11 @@ def _project(mode: str, t: KernelTuning) -> None:
 
 
 def _l2_prefetch(mode: str, t: KernelTuning) -> None:
-    """`project` asking L2 for a later matrix, bulk and a line at a time (in the tuning's form)."""
+    """`project` asking L2 for a later matrix, bulk and a line at a time."""
     def run(x, w, later):
         return [_project_kernel_call(x, w, None, None, None, (later,), eps=1e-6, swiglu=False,
                                      out_dtype=jnp.dtype(jnp.bfloat16), rows=2, chunk=_D, warps=4,
-                                     interpret=mode == "interpret", lines=lines, prefetch_form=t.prefetch_form)
+                                     interpret=mode == "interpret", lines=lines)
                 for lines in (False, True)]
     _compile(run, _spec((1, _D)), _spec((_F, _D)), _spec((_F, _D)))
 

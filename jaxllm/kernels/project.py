@@ -104,7 +104,7 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
                                 swiglu=swiglu, activation=activation,
                                 out_dtype=jnp.dtype(out_dtype), rows=rows, chunk=chunk,
                                 warps=warps, interpret=interpret,
-                                lines=t.prefetch_lines and not weights_first, prefetch_form=t.prefetch_form,
+                                lines=t.prefetch_lines and not weights_first,
                                 weights_first=weights_first and heads is None and C <= chunk,
                                 squares_last=t.squares_last and float_w,
                                 permute_int8=not interpret and t.int8_convert == "permute",
@@ -133,12 +133,11 @@ def project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype,
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "activation", "out_dtype", "rows", "chunk",
                                              "warps", "interpret", "weights_first",
-                                             "squares_last", "lines", "prefetch_form", "permute_int8",
+                                             "squares_last", "lines", "permute_int8",
                                              "trigger"))
 def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, eps, swiglu,
                          out_dtype, rows, chunk, warps, interpret, activation="silu", weights_first=False,
-                         squares_last=False, lines=False, prefetch_form="primitive", permute_int8=False,
-                         trigger=False):
+                         squares_last=False, lines=False, permute_int8=False, trigger=False):
     """The pallas_call of `project`: one program per `rows` output channels."""
     scales = None
     if isinstance(w_NC, QuantizedWeight):
@@ -179,16 +178,15 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
     if residual_MN is not None:
         specs.append(pl.BlockSpec((1, rows), lambda j: (0, j)))
         args.append(residual_MN)
-    ahead = [a.reshape(-1) for a in ahead]  # flat, as `_prefetch` addresses them
-    # the "asm" form takes a matrix's address alone: a block of one element at its start
-    specs += [pl.BlockSpec((1,) if prefetch_form == "asm" else a.shape, lambda j: (0,)) for a in ahead]
+    ahead = [a.reshape(-1) for a in ahead]  # flat: the ask takes its address, one element's block
+    specs += [pl.BlockSpec((1,), lambda j: (0,)) for _ in ahead]
     args += ahead
     kernel = functools.partial(
         _project_kernel, C=C, chunk=chunk, eps=eps, swiglu=swiglu, activation=activation,
         norm=norm_C is not None,
         scaled=scales is not None, biased=bias_N is not None, residual=residual_MN is not None,
         heads=heads, permute_int8=permute_int8, trigger=trigger, grid=width // rows, lanes=32 * warps,
-        ahead=tuple(a.size * a.dtype.itemsize // 16 * 16 for a in ahead), prefetch_form=prefetch_form,
+        ahead=tuple(a.size * a.dtype.itemsize // 16 * 16 for a in ahead),
         weights_first=weights_first, squares_last=squares_last or weights_first, lines=lines)
     return pl.pallas_call(
         kernel, grid=(width // rows,), in_specs=specs,
@@ -200,7 +198,7 @@ def _project_kernel_call(x_MC, w_NC, norm_C, bias_N, residual_MN, ahead=(), *, e
 
 def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, residual, heads,
                     activation="silu", permute_int8=False, trigger=False, ahead=(), grid=1, lanes=128,
-                    weights_first=False, squares_last=False, lines=False, prefetch_form="primitive"):
+                    weights_first=False, squares_last=False, lines=False):
     """One program: `project` for a few output channels, reading their weight rows in as few
     chunks as fit (one for C <= chunk): each chunk is a single masked load, so the program waits
     on memory once per chunk, not once per loop step of a pipelined tile. With `heads` (splits,
@@ -246,9 +244,9 @@ def _project_kernel(x_ref, *refs, C, chunk, eps, swiglu, norm, scaled, biased, r
               for y, w, w_ref in zip(ys, ws, w_refs)]
         if norm and squares_last:
             squares = squares + jnp.sum(raw * raw, axis=1)
-    zeros = []  # the "asm" form's, folded into the store so that its asks stay
+    zeros = []  # the asks', folded into the store so that they stay
     for ref, nbytes in zip(ahead_refs, ahead):  # once this program's weights are in: they go first
-        zero = _prefetch(ref, nbytes, grid, lanes, after=jnp.sum(ys[-1]), lines=lines, form=prefetch_form)
+        zero = _prefetch(ref, nbytes, grid, lanes, after=jnp.sum(ys[-1]), lines=lines)
         zeros += [] if zero is None else [jnp.sum(zero)]
     if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
         ys = [y * jax.lax.rsqrt(squares / C + eps) for y in ys]

@@ -39,9 +39,6 @@ class KernelTuning:
     gate_up_wide: bool = True
     prefetch_max_bytes: int = 4 * 2**20
     prefetch_lines: bool = True
-    # the L2 ask's form: "primitive" (a primitive on JAX's internals) or "asm" (Pallas' public inline
-    # asm given the matrix's address; docs/decisions/one-row-projection.md#the-asks-form)
-    prefetch_form: str = "primitive"
     weights_first: bool = True
     squares_last: bool = True
     # int8 (docs/decisions/int8.md)
@@ -95,7 +92,6 @@ class KernelTuning:
             gate_up_wide=env_flag("JAXLLM_GATE_UP_WIDE", True),
             prefetch_max_bytes=int(env_number("JAXLLM_PREFETCH_MAX_MB", "4", float) * 2**20),
             prefetch_lines=env_flag("JAXLLM_PREFETCH_LINES", True),
-            prefetch_form=env_choice("JAXLLM_PREFETCH_FORM", ("primitive", "asm"), "primitive"),
             weights_first=env_flag("JAXLLM_WEIGHTS_FIRST", True),
             squares_last=env_flag("JAXLLM_SQUARES_LAST", True),
             int8_convert=env_choice("JAXLLM_INT8_CONVERT", ("permute", "i2f"), "permute"),

@@ -166,9 +166,9 @@ def prefetched(w, tuning: KernelTuning | None = None) -> bool:
     on a GPU from Hopper on, at most prefetch_max_bytes
     (docs/decisions/one-row-projection.md#l2-prefetch-of-the-next-matrix)."""
     t = tuning or current()
-    if w is None or not can_prefetch(t) or stored(w).size * stored(w).dtype.itemsize > t.prefetch_max_bytes:
+    if w is None or not can_prefetch() or stored(w).size * stored(w).dtype.itemsize > t.prefetch_max_bytes:
         return False
-    return compiles("l2_prefetch", "gpu", t) is not None  # a form that fails to compile: no ask
+    return compiles("l2_prefetch", "gpu", t) is not None  # an ask that fails to compile: none
 
 
 def weights_first(matrices, tuning: KernelTuning | None = None) -> bool:
