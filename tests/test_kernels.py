@@ -586,7 +586,7 @@ def test_prefetch_rules(monkeypatch):
 
 
 def test_a_prefetch_that_does_not_compile_is_left_out_with_one_warning(monkeypatch):
-    """The ask is a hint: where its form fails to compile, the projections keep their kernels and
+    """The ask is a hint: where it fails to compile, the projections keep their kernels and
     ask for nothing, after one line that says so."""
     from jaxllm.kernels import probe
 
