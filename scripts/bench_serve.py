@@ -476,6 +476,9 @@ def http_server(engine, vocab: int):
         thread.join(60)
 
 
+LEAVE_AFTER = 8  # tokens a --disconnects stream reads before it closes its connection
+
+
 def probe_disconnects(port: int, engine, args, vocab: int) -> dict:
     """--disconnects streams, one at a time on an idle engine: each reads 8 tokens, closes its
     connection, and is timed until the engine's slots in use are back to 0 (issue 58: within one
@@ -494,9 +497,9 @@ def probe_disconnects(port: int, engine, args, vocab: int) -> dict:
         body = json.dumps(dict(model="bench", prompt=prompt, max_tokens=min(512, args.max_context - len(prompt)),
                                temperature=0, ignore_eos=True, stream=True)).encode()
         times = []
-        status = asyncio.run(_stream(port, body, times, {}, leave_after=8))
+        status = asyncio.run(_stream(port, body, times, {}, leave_after=LEAVE_AFTER))
         free_ms.append(until_free() * 1e3)
-        if status != 200 or len(times) < 8:
+        if status != 200 or len(times) < LEAVE_AFTER:
             errors.append(f"stream {i}: HTTP {status}, {len(times)} tokens before leaving")
         itl.extend(np.diff(times) * 1e3)
     step = float(np.median(itl)) if itl else None
@@ -654,7 +657,7 @@ def main(argv=None) -> int:
 
     def disconnects(mode, port):
         if args.disconnects:
-            log(f"{mode}: {args.disconnects} streams that leave after 8 tokens")
+            log(f"{mode}: {args.disconnects} streams that leave after {LEAVE_AFTER} tokens")
             line = dict(mode=f"{mode}-disconnect", **label, **probe_disconnects(port, engine, args, vocab))
             print(json.dumps(line), flush=True)
 
