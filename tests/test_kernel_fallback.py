@@ -1,6 +1,7 @@
 """A kernel family whose backend is missing never breaks jaxllm: with the Pallas Triton backend
 unavailable (deprecated in JAX 0.11, to be removed), `import jaxllm` works, the step plan takes
-XLA's forms, `generate` gives the normal run's tokens, and each family says so once."""
+XLA's forms, `generate` gives the normal run's tokens, and each family says so once. Where it is
+present, every kernel still lowers for a GPU with this JAX (checked on the CPU)."""
 
 import ast
 import json
@@ -197,3 +198,33 @@ def test_a_kernel_that_fails_to_compile_takes_xla_with_one_warning(monkeypatch):
     # bench's report of a decode step's paths: the other kernels stay
     paths = describe(step_plan(params, 1, 1, cache_length=128))
     assert paths["attention"] == "xla" and paths["qkv"] == paths["lm_head"] == "project"
+
+
+def test_every_kernel_lowers_for_a_hopper_gpu_with_this_jax(monkeypatch):
+    """CI runs the newest JAX the index serves, on CPUs, where the kernels otherwise run only in
+    Pallas' interpreter. JAX lowers a program for a platform it has no device for, so here each
+    kernel family is lowered for CUDA as a Hopper GPU's step plan asks for it (the probe's shapes:
+    a Pallas Triton custom call each) and so is the MoE's Mosaic GPU grouped GEMM: a JAX release
+    that breaks a kernel's lowering fails here, before a GPU user meets its fallback."""
+    import jax
+    from jaxllm.kernels import probe
+    from jaxllm.kernels.tuning import current
+
+    assert common.TRITON_MISSING is None, (
+        f"this JAX has no Pallas Triton backend ({common.TRITON_MISSING}): every GPU kernel falls back")
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(moe, "gpu_generation", lambda: 9)
+    lowered = {}
+
+    def lower_for_cuda(family):
+        def lower(fn, *specs):
+            lowered[family] = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        return lower
+    for family, probe_family in probe.PROBES.items():
+        monkeypatch.setattr(probe, "_compile", lower_for_cuda(family))
+        probe_family("gpu", current())
+    assert sorted(lowered) == sorted(probe.PROBES)
+    assert [f for f, text in lowered.items() if "xla.gpu.triton" not in text] == []
+    x, w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    grouped = jax.jit(moe._grouped_matmul).trace(x, w, jax.ShapeDtypeStruct((4,), jnp.int32))
+    assert "mosaic_gpu" in grouped.lower(lowering_platforms=("cuda",)).as_text()
