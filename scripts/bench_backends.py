@@ -6,9 +6,12 @@ line per (width, form) on stdout, the rest on stderr. Needs a CUDA GPU.
     python scripts/bench_backends.py --widths 4096 --chain 200
 
 The kernel is residual add + RMSNorm of one row (`jaxllm.kernels.add_norm`, a decode step's
-residual add and norm), written four ways:
+residual add and norm), written these ways:
   pallas_triton  jaxllm's kernel (Pallas on the Triton backend, which JAX 0.11 deprecated)
-  mosaic_gpu     Pallas on Mosaic GPU, below: TMA copies in and out through shared memory
+  mosaic_gpu     Pallas on Mosaic GPU, below: TMA copies in and out through shared memory,
+                 256 elements a copy
+  mosaic_gpu_box the same with one copy an operand each way (the row as rows of 64)
+  mosaic_gpu_regs Mosaic GPU without shared memory (widths that are multiples of 512)
   jax_triton     the same Triton kernel in Triton's own language, called through jax-triton (only
                  where `triton` and `jax_triton` import; the line says why not otherwise)
   xla            the same arithmetic as plain jnp, XLA's fusion
@@ -81,6 +84,62 @@ def mosaic_gpu(x, d, g):
     return kernel(x, d, g)
 
 
+BOX_COLS = 64
+
+
+def mosaic_gpu_box(x, d, g):
+    """mosaic_gpu with one TMA copy an operand each way: the row as rows of 64 (a free reshape), so
+    a copy's box is (D / 64, 64), within TMA's 256 along each dimension up to D = 16384."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    _, D = x.shape
+    if D % BOX_COLS:
+        raise ValueError(f"mosaic_gpu_box takes widths that are multiples of {BOX_COLS}, not {D}")
+    R, RP = D // BOX_COLS, -(-D // 512) * 512 // BOX_COLS  # rows, and rows padded as mosaic_gpu pads
+
+    @functools.partial(plgpu.kernel, out_type=(jax.ShapeDtypeStruct((R, BOX_COLS), x.dtype),) * 2,
+                       scratch_types=dict(smem=plgpu.SMEM((4, RP, BOX_COLS), x.dtype),
+                                          bar=plgpu.Barrier(num_arrivals=3)))
+    def kernel(x_ref, d_ref, g_ref, h_ref, y_ref, smem, bar):
+        if RP != R:
+            for i in range(3):
+                smem[i] = jnp.zeros((RP, BOX_COLS), x.dtype)
+            plgpu.commit_smem()
+        for i, ref in enumerate((x_ref, d_ref, g_ref)):
+            plgpu.copy_gmem_to_smem(ref, smem.at[i, pl.ds(0, R)], bar)
+        plgpu.barrier_wait(bar)
+        h = (smem[0].astype(jnp.float32) + smem[1].astype(jnp.float32)).astype(x.dtype).astype(jnp.float32)
+        y = (h * jax.lax.rsqrt(jnp.sum(h * h) / D + EPS)).astype(x.dtype).astype(jnp.float32)
+        smem[0] = h.astype(x.dtype)
+        smem[3] = (y * smem[2].astype(jnp.float32)).astype(x.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem.at[0, pl.ds(0, R)], h_ref)
+        plgpu.copy_smem_to_gmem(smem.at[3, pl.ds(0, R)], y_ref)
+        plgpu.wait_smem_to_gmem(0)
+    h, y = kernel(x.reshape(R, BOX_COLS), d.reshape(R, BOX_COLS), g.reshape(R, BOX_COLS))
+    return h.reshape(1, D), y.reshape(1, D)
+
+
+def mosaic_gpu_regs(x, d, g):
+    """No shared memory: each operand loaded from global memory straight into registers and the
+    results stored back, for widths a warpgroup splits evenly (multiples of 512)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    _, D = x.shape
+    if D % 512:
+        raise ValueError(f"mosaic_gpu_regs takes widths that are multiples of 512, not {D}")
+
+    @functools.partial(plgpu.kernel, out_type=(jax.ShapeDtypeStruct((D,), x.dtype),) * 2)
+    def kernel(x_ref, d_ref, g_ref, h_ref, y_ref):
+        layout = plgpu.Layout.WG_STRIDED((D,), vec_size=4)
+        xs, ds_, gs = (plgpu.load(r, (), layout=layout).astype(jnp.float32) for r in (x_ref, d_ref, g_ref))
+        h = (xs + ds_).astype(x.dtype).astype(jnp.float32)
+        y = (h * jax.lax.rsqrt(jnp.sum(h * h) / D + EPS)).astype(x.dtype).astype(jnp.float32)
+        h_ref[...] = h.astype(x.dtype)
+        y_ref[...] = (y * gs).astype(x.dtype)
+    h, y = kernel(x.reshape(D), d.reshape(D), g)
+    return h.reshape(1, D), y.reshape(1, D)
+
+
 @functools.cache
 def _triton_kernel():
     import triton
@@ -107,7 +166,8 @@ def jax_triton(x, d, g):
                           grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS)
 
 
-FORMS = {"pallas_triton": pallas_triton, "mosaic_gpu": mosaic_gpu, "jax_triton": jax_triton, "xla": xla}
+FORMS = {"pallas_triton": pallas_triton, "mosaic_gpu": mosaic_gpu, "mosaic_gpu_box": mosaic_gpu_box,
+         "mosaic_gpu_regs": mosaic_gpu_regs, "jax_triton": jax_triton, "xla": xla}
 
 
 def chained(form, n: int):
