@@ -50,6 +50,16 @@ def pallas_triton(x, d, g):
     return add_norm(x, d, g, EPS, mode="gpu")
 
 
+def _add_norm_in_smem(smem, D: int):
+    """The Mosaic GPU forms' arithmetic, as `xla`'s, in shared memory: x, d, g in its first three
+    rows (their padding zeros), h written over x and the normed row into the fourth."""
+    dtype = smem.dtype
+    h = (smem[0].astype(jnp.float32) + smem[1].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    y = (h * jax.lax.rsqrt(jnp.sum(h * h) / D + EPS)).astype(dtype).astype(jnp.float32)
+    smem[0] = h.astype(dtype)
+    smem[3] = (y * smem[2].astype(jnp.float32)).astype(dtype)
+
+
 def mosaic_gpu(x, d, g):
     """One row through shared memory: every operand in by TMA (256 elements a copy), the sum and
     the normed row computed by one warpgroup, both out by TMA. The row is padded in shared memory to
@@ -72,10 +82,7 @@ def mosaic_gpu(x, d, g):
             for o, n in pieces:
                 plgpu.copy_gmem_to_smem(ref.at[pl.ds(o, n)], smem.at[i, pl.ds(o, n)], bar)
         plgpu.barrier_wait(bar)
-        h = (smem[0].astype(jnp.float32) + smem[1].astype(jnp.float32)).astype(x.dtype).astype(jnp.float32)
-        y = (h * jax.lax.rsqrt(jnp.sum(h * h) / D + EPS)).astype(x.dtype).astype(jnp.float32)
-        smem[0] = h.astype(x.dtype)
-        smem[3] = (y * smem[2].astype(jnp.float32)).astype(x.dtype)
+        _add_norm_in_smem(smem, D)
         plgpu.commit_smem()
         for i, ref in ((0, h_ref.at[0]), (3, y_ref.at[0])):
             for o, n in pieces:
@@ -108,10 +115,7 @@ def mosaic_gpu_box(x, d, g):
         for i, ref in enumerate((x_ref, d_ref, g_ref)):
             plgpu.copy_gmem_to_smem(ref, smem.at[i, pl.ds(0, R)], bar)
         plgpu.barrier_wait(bar)
-        h = (smem[0].astype(jnp.float32) + smem[1].astype(jnp.float32)).astype(x.dtype).astype(jnp.float32)
-        y = (h * jax.lax.rsqrt(jnp.sum(h * h) / D + EPS)).astype(x.dtype).astype(jnp.float32)
-        smem[0] = h.astype(x.dtype)
-        smem[3] = (y * smem[2].astype(jnp.float32)).astype(x.dtype)
+        _add_norm_in_smem(smem, D)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem.at[0, pl.ds(0, R)], h_ref)
         plgpu.copy_smem_to_gmem(smem.at[3, pl.ds(0, R)], y_ref)
