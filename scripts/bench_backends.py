@@ -7,12 +7,14 @@ line per (width, form) on stdout, the rest on stderr. Needs a CUDA GPU.
 
 The kernel is residual add + RMSNorm of one row (`jaxllm.kernels.add_norm`, a decode step's
 residual add and norm), written these ways:
-  pallas_triton  jaxllm's kernel (Pallas on the Triton backend, which JAX 0.11 deprecated)
+  pallas_triton  jaxllm's kernel (Pallas on the Triton backend, which JAX 0.11 deprecated); on
+                 Hopper it signals the next kernel's early launch (PDL), pallas_triton_nopdl not
   mosaic_gpu     Pallas on Mosaic GPU, below: TMA copies in and out through shared memory,
                  256 elements a copy
-  mosaic_gpu_box the same with one copy an operand each way (the row as rows of 64)
+  mosaic_gpu_box the same with one copy an operand each way (the row as rows of 64);
+                 mosaic_gpu_box_pdl also waits for the kernel ahead and signals the next (PDL)
   mosaic_gpu_regs Mosaic GPU without shared memory (widths that are multiples of 512)
-  jax_triton     the same Triton kernel in Triton's own language, called through jax-triton (only
+  jax_triton     the same arithmetic in Triton's own language, called through jax-triton (only
                  where `triton` and `jax_triton` import; the line says why not otherwise)
   xla            the same arithmetic as plain jnp, XLA's fusion
 A decode step is launch-bound at small widths, so what matters is a call's cost among others: the
@@ -26,6 +28,7 @@ jax_version, available, error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -45,9 +48,12 @@ def xla(x, d, g):
     return h.astype(x.dtype), y.astype(x.dtype)
 
 
-def pallas_triton(x, d, g):
+def pallas_triton(x, d, g, pdl: bool = True):
+    """jaxllm's kernel, as a decode step runs it: on Hopper it signals the next kernel's early
+    launch (PDL) at its start; with `pdl` False it does not."""
     from jaxllm.kernels import add_norm
-    return add_norm(x, d, g, EPS, mode="gpu")
+    from jaxllm.kernels.tuning import current
+    return add_norm(x, d, g, EPS, mode="gpu", tuning=dataclasses.replace(current(), add_norm_trigger=pdl))
 
 
 def _add_norm_in_smem(smem, D: int):
@@ -94,9 +100,10 @@ def mosaic_gpu(x, d, g):
 BOX_COLS = 64
 
 
-def mosaic_gpu_box(x, d, g):
+def mosaic_gpu_box(x, d, g, pdl: bool = False):
     """mosaic_gpu with one TMA copy an operand each way: the row as rows of 64 (a free reshape), so
-    a copy's box is (D / 64, 64), within TMA's 256 along each dimension up to D = 16384."""
+    a copy's box is (D / 64, 64), within TMA's 256 along each dimension up to D = 16384. With
+    `pdl`, as the Triton kernel: it waits for the kernel ahead, then signals the next one's launch."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     _, D = x.shape
@@ -108,6 +115,9 @@ def mosaic_gpu_box(x, d, g):
                        scratch_types=dict(smem=plgpu.SMEM((4, RP, BOX_COLS), x.dtype),
                                           bar=plgpu.Barrier(num_arrivals=3)))
     def kernel(x_ref, d_ref, g_ref, h_ref, y_ref, smem, bar):
+        if pdl:
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
         if RP != R:
             for i in range(3):
                 smem[i] = jnp.zeros((RP, BOX_COLS), x.dtype)
@@ -170,8 +180,10 @@ def jax_triton(x, d, g):
                           grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS)
 
 
-FORMS = {"pallas_triton": pallas_triton, "mosaic_gpu": mosaic_gpu, "mosaic_gpu_box": mosaic_gpu_box,
-         "mosaic_gpu_regs": mosaic_gpu_regs, "jax_triton": jax_triton, "xla": xla}
+FORMS = {"pallas_triton": pallas_triton, "pallas_triton_nopdl": functools.partial(pallas_triton, pdl=False),
+         "mosaic_gpu": mosaic_gpu, "mosaic_gpu_box": mosaic_gpu_box,
+         "mosaic_gpu_box_pdl": functools.partial(mosaic_gpu_box, pdl=True), "mosaic_gpu_regs": mosaic_gpu_regs,
+         "jax_triton": jax_triton, "xla": xla}
 
 
 def chained(form, n: int):
