@@ -16,7 +16,7 @@ residual add and norm), written these ways:
   mosaic_gpu_regs Mosaic GPU without shared memory (widths that are multiples of 512)
   jax_triton     the same arithmetic in Triton's own language, called through jax-triton (only
                  where `triton` and `jax_triton` import; the line says why not otherwise)
-  xla            the same arithmetic as plain jnp, XLA's fusion
+  xla            `add_norm`'s XLA form (`layers.rms_norm`), XLA's fusion
 A decode step is launch-bound at small widths, so what matters is a call's cost among others: the
 forms are timed as `--chain` calls one after another in one jitted program (each call's outputs the
 next one's inputs), the best of `--repeat` runs, over `--chain`.
@@ -42,10 +42,10 @@ TMA_MAX = 256  # a TMA copy moves at most 256 elements along a dimension
 
 
 def xla(x, d, g):
-    """(x + d, rms_norm(x + d) * g), rounded as `layers.rms_norm` rounds: the reference."""
-    h = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(x.dtype).astype(jnp.float32)
-    y = (h * jax.lax.rsqrt(jnp.mean(h * h) + EPS)).astype(x.dtype).astype(jnp.float32) * g.astype(jnp.float32)
-    return h.astype(x.dtype), y.astype(x.dtype)
+    """(x + d, rms_norm(x + d) * g): `add_norm`'s XLA form, what a step runs without the kernel;
+    the reference of the others."""
+    from jaxllm.kernels import add_norm
+    return add_norm(x, d, g, EPS)
 
 
 def pallas_triton(x, d, g, pdl: bool = True):
@@ -57,7 +57,7 @@ def pallas_triton(x, d, g, pdl: bool = True):
 
 
 def _add_norm_in_smem(smem, D: int):
-    """The Mosaic GPU forms' arithmetic, as `xla`'s, in shared memory: x, d, g in its first three
+    """The Mosaic GPU forms' arithmetic, as `layers.rms_norm`'s, in shared memory: x, d, g in its first three
     rows (their padding zeros), h written over x and the normed row into the fourth."""
     dtype = smem.dtype
     h = (smem[0].astype(jnp.float32) + smem[1].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
