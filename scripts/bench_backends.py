@@ -15,7 +15,9 @@ residual add and norm), written these ways:
                  mosaic_gpu_box_pdl also waits for the kernel ahead and signals the next (PDL)
   mosaic_gpu_regs Mosaic GPU without shared memory (widths that are multiples of 512)
   jax_triton     the same arithmetic in Triton's own language, called through jax-triton (only
-                 where `triton` and `jax_triton` import; the line says why not otherwise)
+                 where `triton` and `jax_triton` import; the line says why not otherwise);
+                 jax_triton_ffi the same through jaxlib's FFI handler, as jax-triton's main
+                 branch lowers it (PyPI's 0.3.1 takes the legacy custom call)
   xla            `add_norm`'s XLA form (`layers.rms_norm`), XLA's fusion
 A decode step is launch-bound at small widths, so what matters is a call's cost among others: the
 forms are timed as `--chain` calls one after another in one jitted program (each call's outputs the
@@ -180,10 +182,41 @@ def jax_triton(x, d, g):
                           grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS)
 
 
+FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed (FFI) handler of a Triton kernel call
+
+
+@functools.cache
+def _ffi_lowering_patch():
+    """jax-triton 0.3.1 (PyPI's newest) lowers to jaxlib's legacy `triton_kernel_call` (custom
+    call API version 2); its main branch and Pallas' Triton backend in JAX 0.11 lower to the FFI
+    handler. This wraps `jax.ffi.ffi_lowering` so that a call asking for FFI_TARGET by name takes
+    the handler, the same proto as its `opaque` attribute: what the next release will emit."""
+    import jax.ffi
+    plain = jax.ffi.ffi_lowering
+
+    def lowering(name, *, api_version=4, backend_config=None, **kw):
+        if name != FFI_TARGET or api_version == 4:
+            return plain(name, api_version=api_version, backend_config=backend_config, **kw)
+        rule = plain(name, api_version=4, **kw)
+        return lambda ctx, *args: rule(ctx, *args, opaque=backend_config)
+    jax.ffi.ffi_lowering = lowering
+
+
+def jax_triton_ffi(x, d, g):
+    """`jax_triton`'s kernel and call, lowered to the FFI handler (`_ffi_lowering_patch`)."""
+    import jax_triton as jt
+    _ffi_lowering_patch()
+    kernel, pow2 = _triton_kernel()
+    D = x.shape[-1]
+    return jt.triton_call(x, d, g, kernel=kernel, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
+                          grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS,
+                          custom_call_target_name=FFI_TARGET)
+
+
 FORMS = {"pallas_triton": pallas_triton, "pallas_triton_nopdl": functools.partial(pallas_triton, pdl=False),
          "mosaic_gpu": mosaic_gpu, "mosaic_gpu_box": mosaic_gpu_box,
          "mosaic_gpu_box_pdl": functools.partial(mosaic_gpu_box, pdl=True), "mosaic_gpu_regs": mosaic_gpu_regs,
-         "jax_triton": jax_triton, "xla": xla}
+         "jax_triton": jax_triton, "jax_triton_ffi": jax_triton_ffi, "xla": xla}
 
 
 def chained(form, n: int):
