@@ -188,9 +188,9 @@ FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed (FFI) handler of a Trito
 @functools.cache
 def _ffi_lowering_patch():
     """jax-triton 0.3.1 (PyPI's newest) lowers to jaxlib's legacy `triton_kernel_call` (custom
-    call API version 2); its main branch and Pallas' Triton backend in JAX 0.11 lower to the FFI
-    handler. This wraps `jax.ffi.ffi_lowering` so that a call asking for FFI_TARGET by name takes
-    the handler, the same proto as its `opaque` attribute: what the next release will emit."""
+    call API version 2); its main branch, and Pallas' Triton backend past jaxlib 0.10.2, lower to
+    the FFI handler. This wraps `jax.ffi.ffi_lowering` so that a call asking for FFI_TARGET by
+    name takes the handler, the same proto as its `opaque` attribute, as that branch emits it."""
     import jax.ffi
     plain = jax.ffi.ffi_lowering
 
