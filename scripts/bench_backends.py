@@ -174,14 +174,6 @@ def _triton_kernel():
     return kernel, triton.next_power_of_2
 
 
-def jax_triton(x, d, g):
-    import jax_triton as jt
-    kernel, pow2 = _triton_kernel()
-    D = x.shape[-1]
-    return jt.triton_call(x, d, g, kernel=kernel, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
-                          grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS)
-
-
 FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed (FFI) handler of a Triton kernel call
 
 
@@ -202,21 +194,23 @@ def _ffi_lowering_patch():
     jax.ffi.ffi_lowering = lowering
 
 
-def jax_triton_ffi(x, d, g):
-    """`jax_triton`'s kernel and call, lowered to the FFI handler (`_ffi_lowering_patch`)."""
+def jax_triton(x, d, g, ffi: bool = False):
+    """The Triton-language kernel through jax-triton's call; with `ffi`, lowered to jaxlib's FFI
+    handler (`_ffi_lowering_patch`) instead of jax-triton 0.3.1's legacy custom call."""
     import jax_triton as jt
-    _ffi_lowering_patch()
+    if ffi:
+        _ffi_lowering_patch()
     kernel, pow2 = _triton_kernel()
     D = x.shape[-1]
+    target = {"custom_call_target_name": FFI_TARGET} if ffi else {}
     return jt.triton_call(x, d, g, kernel=kernel, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
-                          grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS,
-                          custom_call_target_name=FFI_TARGET)
+                          grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS, **target)
 
 
 FORMS = {"pallas_triton": pallas_triton, "pallas_triton_nopdl": functools.partial(pallas_triton, pdl=False),
          "mosaic_gpu": mosaic_gpu, "mosaic_gpu_box": mosaic_gpu_box,
          "mosaic_gpu_box_pdl": functools.partial(mosaic_gpu_box, pdl=True), "mosaic_gpu_regs": mosaic_gpu_regs,
-         "jax_triton": jax_triton, "jax_triton_ffi": jax_triton_ffi, "xla": xla}
+         "jax_triton": jax_triton, "jax_triton_ffi": functools.partial(jax_triton, ffi=True), "xla": xla}
 
 
 def chained(form, n: int):
