@@ -21,6 +21,16 @@ FAMILIES = [sys.modules[f"jaxllm.kernels.{name}"] for name in
             ("project", "digits", "add_norm", "rows_project", "route", "decode_attention", "common")]
 
 
+# The custom call a Pallas Triton kernel lowers to for CUDA: XLA's own Triton call up to jaxlib
+# 0.10.2, jaxlib's FFI handler after (jax/_src/pallas/triton/pallas_call_registration.py).
+TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+
+
+def calls_triton(lowered_text: str) -> bool:
+    """Whether a program lowered for CUDA calls a Pallas Triton kernel, in either JAX's form."""
+    return any(f"custom_call @{target}(" in lowered_text for target in TRITON_CALLS)
+
+
 def tuning() -> tuning_module.KernelTuning:
     """The process's kernel tuning, as the step plan reads it."""
     return tuning_module.current()
