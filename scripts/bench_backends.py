@@ -17,7 +17,7 @@ residual add and norm), written these ways:
   jax_triton     the same arithmetic in Triton's own language, called through jax-triton (only
                  where `triton` and `jax_triton` import; the line says why not otherwise);
                  jax_triton_ffi the same through jaxlib's FFI handler, as jax-triton's main
-                 branch lowers it (PyPI's 0.3.1 takes the legacy custom call)
+                 0.4.1 lowers it (0.3.1, the newest for Python 3.11, takes the legacy custom call)
   xla            `add_norm`'s XLA form (`layers.rms_norm`), XLA's fusion
 A decode step is launch-bound at small widths, so what matters is a call's cost among others: the
 forms are timed as `--chain` calls one after another in one jitted program (each call's outputs the
@@ -179,10 +179,10 @@ FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed (FFI) handler of a Trito
 
 @functools.cache
 def _ffi_lowering_patch():
-    """jax-triton 0.3.1 (PyPI's newest) lowers to jaxlib's legacy `triton_kernel_call` (custom
-    call API version 2); its main branch, and Pallas' Triton backend past jaxlib 0.10.2, lower to
-    the FFI handler. This wraps `jax.ffi.ffi_lowering` so that a call asking for FFI_TARGET by
-    name takes the handler, the same proto as its `opaque` attribute, as that branch emits it."""
+    """jax-triton 0.3.1 lowers to jaxlib's legacy `triton_kernel_call` (custom call API version
+    2); jax-triton 0.4.1 (Python 3.12, JAX 0.11, triton 3.7), and Pallas' Triton backend past
+    jaxlib 0.10.2, lower to the FFI handler. This wraps `jax.ffi.ffi_lowering` so that a call asking for FFI_TARGET by
+    name takes the handler, the same proto as its `opaque` attribute, as 0.4.1 emits it."""
     import jax.ffi
     plain = jax.ffi.ffi_lowering
 
