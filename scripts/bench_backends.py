@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Time one kernel in each GPU kernel backend a port off Pallas' Triton backend could take: one JSON
-line per (width, form) on stdout, the rest on stderr. Needs a CUDA GPU.
+"""Time GPU kernels in each kernel backend a port off Pallas' Triton backend could take: one JSON
+line per (kernel, size, form) on stdout, the rest on stderr. Needs a CUDA GPU.
 
-    python scripts/bench_backends.py                       # widths 576, 2048, 4096
-    python scripts/bench_backends.py --widths 4096 --chain 200
+    python scripts/bench_backends.py                       # both kernels, their default sizes
+    python scripts/bench_backends.py --kernels add_norm --widths 4096 --chain 200
+    python scripts/bench_backends.py --kernels project --shapes 1536x576,2048x2048
 
-The kernel is residual add + RMSNorm of one row (`jaxllm.kernels.add_norm`, a decode step's
-residual add and norm), written these ways:
+Two kernels of a decode step, each written these ways:
+
+add_norm, residual add + RMSNorm of one row (`jaxllm.kernels.add_norm`), at `--widths`:
   pallas_triton  jaxllm's kernel (Pallas on the Triton backend, which JAX 0.11 deprecated); on
                  Hopper it signals the next kernel's early launch (PDL), pallas_triton_nopdl not
   mosaic_gpu     Pallas on Mosaic GPU, below: TMA copies in and out through shared memory,
@@ -16,15 +18,29 @@ residual add and norm), written these ways:
   mosaic_gpu_regs Mosaic GPU without shared memory (widths that are multiples of 512)
   jax_triton     the same arithmetic in Triton's own language, called through jax-triton (only
                  where `triton` and `jax_triton` import; the line says why not otherwise);
-                 jax_triton_ffi the same through jaxlib's FFI handler, as jax-triton's main
+                 jax_triton_ffi the same through jaxlib's FFI handler, as jax-triton
                  0.4.1 lowers it (0.3.1, the newest for Python 3.11, takes the legacy custom call)
   xla            `add_norm`'s XLA form (`layers.rms_norm`), XLA's fusion
-A decode step is launch-bound at small widths, so what matters is a call's cost among others: the
-forms are timed as `--chain` calls one after another in one jitted program (each call's outputs the
-next one's inputs), the best of `--repeat` runs, over `--chain`.
 
-JSON keys: kernel, form, width, chain, us_per_call, max_abs_err (against xla, in bf16), device,
-jax_version, available, error.
+project, one row times a bfloat16 matrix, y = x @ w.T (`jaxllm.kernels.project` without norm or
+epilogue), at `--shapes` N x C (w is [N, C]; the chain alternates it with a [C, N] matrix):
+  pallas_triton  jaxllm's kernel with the step's tiles (matrices up to `kernel_max_weights`,
+                 past which the step takes XLA's form); pallas_triton_nopdl without PDL
+  mosaic_gpu     Pallas on Mosaic GPU: a program a 64-row tile, its weights streamed through
+                 shared memory by TMA in [64, 128] blocks, 4 in flight (`emit_pipeline`), each
+                 block times the row in registers; mosaic_gpu_deep 8 blocks in flight
+  jax_triton     the same tiles as jaxllm's kernel, in Triton's own language through jax-triton;
+                 jax_triton_ffi through jaxlib's FFI handler (as for add_norm)
+  xla            `project`'s XLA form (`layers.project`)
+
+A decode step is launch-bound at small sizes, so what matters is a call's cost among others: the
+forms are timed as `--chain` calls one after another in one jitted program (each call's outputs the
+next one's inputs; project's calls each read a matrix of their own, so that the chain streams them
+from memory as a step does, not from L2), the best of `--repeat` runs, over `--chain`.
+
+JSON keys: kernel, form, width (C), rows (N: project's, 1 for add_norm), chain, us_per_call,
+gb_per_s (project: the matrix's bytes over us_per_call), max_abs_err (against xla, in bf16),
+device, jax_version, available, error.
 """
 
 from __future__ import annotations
@@ -181,8 +197,9 @@ FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed (FFI) handler of a Trito
 def _ffi_lowering_patch():
     """jax-triton 0.3.1 lowers to jaxlib's legacy `triton_kernel_call` (custom call API version
     2); jax-triton 0.4.1 (Python 3.12, JAX 0.11, triton 3.7), and Pallas' Triton backend past
-    jaxlib 0.10.2, lower to the FFI handler. This wraps `jax.ffi.ffi_lowering` so that a call asking for FFI_TARGET by
-    name takes the handler, the same proto as its `opaque` attribute, as 0.4.1 emits it."""
+    jaxlib 0.10.2, lower to the FFI handler. This wraps `jax.ffi.ffi_lowering` so that a call
+    asking for FFI_TARGET by name takes the handler, the same proto as its `opaque` attribute, as
+    0.4.1 emits it."""
     import jax.ffi
     plain = jax.ffi.ffi_lowering
 
@@ -194,17 +211,29 @@ def _ffi_lowering_patch():
     jax.ffi.ffi_lowering = lowering
 
 
-def jax_triton(x, d, g, ffi: bool = False):
-    """The Triton-language kernel through jax-triton's call; with `ffi`, lowered to jaxlib's FFI
-    handler (`_ffi_lowering_patch`) instead of jax-triton 0.3.1's legacy custom call."""
-    import jax_triton as jt
+def _triton_call(jt, *args, kernel, out, grid, num_warps, ffi: bool, **meta):
+    """jax-triton's call of `kernel` on `args`, its outputs `out` (a shape or a tuple), in either
+    API: 0.4 takes `out_type` and lowers to the FFI handler itself (so `ffi` is that release's
+    plain call there); 0.3 takes `out_shape` and, with `ffi`, the target by name
+    (`_ffi_lowering_patch`)."""
+    if tuple(int(v) for v in jt.__version__.split(".")[:2]) >= (0, 4):
+        return jt.triton_call(*args, kernel=kernel, out_type=out, grid=grid, num_warps=num_warps,
+                              num_stages=1, **meta)
     if ffi:
         _ffi_lowering_patch()
+        meta["custom_call_target_name"] = FFI_TARGET
+    return jt.triton_call(*args, kernel=kernel, out_shape=out, grid=grid, num_warps=num_warps,
+                          num_stages=1, **meta)
+
+
+def jax_triton(x, d, g, ffi: bool = False):
+    """The Triton-language kernel through jax-triton's call; with `ffi` and jax-triton 0.3,
+    lowered to jaxlib's FFI handler (`_ffi_lowering_patch`) instead of its legacy custom call."""
+    import jax_triton as jt
     kernel, pow2 = _triton_kernel()
     D = x.shape[-1]
-    target = {"custom_call_target_name": FFI_TARGET} if ffi else {}
-    return jt.triton_call(x, d, g, kernel=kernel, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
-                          grid=(1,), num_warps=4, num_stages=1, D=D, B=pow2(D), eps=EPS, **target)
+    return _triton_call(jt, x, d, g, kernel=kernel, out=(jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
+                        grid=(1,), num_warps=4, ffi=ffi, D=D, B=pow2(D), eps=EPS)
 
 
 FORMS = {"pallas_triton": pallas_triton, "pallas_triton_nopdl": functools.partial(pallas_triton, pdl=False),
@@ -213,7 +242,127 @@ FORMS = {"pallas_triton": pallas_triton, "pallas_triton_nopdl": functools.partia
          "jax_triton": jax_triton, "jax_triton_ffi": functools.partial(jax_triton, ffi=True), "xla": xla}
 
 
-def chained(form, n: int):
+# --- project: one row times a matrix -------------------------------------------------------------
+
+def project_xla(x, w):
+    """`project`'s XLA form, the others' reference."""
+    from jaxllm.kernels import project
+    return project(x, w)
+
+
+def project_pallas_triton(x, w, pdl: bool = True):
+    """jaxllm's one-row kernel, its tiles as the step plan's tuning gives them."""
+    import importlib
+    from jaxllm.kernels import project
+    from jaxllm.kernels.tuning import current
+    family = importlib.import_module("jaxllm.kernels.project")  # the module, not the package's function
+    tuning = dataclasses.replace(current(), pdl_trigger=pdl)
+    if not family.supports(w, tuning=tuning):
+        raise ValueError(f"jaxllm's kernel takes matrices of up to {tuning.kernel_max_weights} weights, "
+                         f"not {w.size}: a step takes XLA's form there")
+    return project(x, w, mode="gpu", tuning=tuning)
+
+
+def _project_tiles(N: int, C: int):
+    """(rows a program, chunk, warps) as `project` picks them for a float matrix."""
+    from jaxllm.kernels.common import pow2
+    from jaxllm.kernels.tuning import current
+    t = current()
+    chunk = pow2(C) if C <= t.one_chunk_channels else min(pow2(C), t.max_chunk)
+    return min(max(2, t.program_elements // chunk), N & -N), chunk, t.project_warps
+
+
+MOSAIC_ROWS = 64  # a warpgroup's tile in Mosaic GPU's WGMMA register layout
+
+
+def project_mosaic_gpu(x, w, block: int = 128, stages: int = 4, interpret=False):
+    """A program a 64-row tile of w: its [64, block] blocks stream through shared memory by TMA
+    (`stages` in flight), each multiplied by the row's block in registers (WGMMA layout, float32)
+    and summed once at the end; block 64 where C is not a multiple of 128. With `interpret`
+    (Mosaic GPU's interpreter's params) the layout casts, which change no value, are left out:
+    the interpreter has no rule for them."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    (_, C), (N, _) = x.shape, w.shape
+    block = block if C % block == 0 else 64
+    if N % MOSAIC_ROWS or C % block:
+        raise ValueError(f"mosaic_gpu takes N and C multiples of {MOSAIC_ROWS}, not {N}x{C}")
+    cast = (lambda v, layout: v) if interpret else plgpu.layout_cast
+    swizzle = plgpu.find_swizzle(block * jnp.dtype(w.dtype).itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(w.dtype).itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+    pieces = [(o, min(TMA_MAX, C - o)) for o in range(0, C, TMA_MAX)]  # the row's copies in
+
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), x.dtype),
+                       grid=(N // MOSAIC_ROWS,), grid_names=("n",), interpret=interpret or False,
+                       scratch_types=dict(x_smem=plgpu.SMEM((C,), x.dtype), y_smem=plgpu.SMEM((MOSAIC_ROWS,), x.dtype),
+                                          bar=plgpu.Barrier(num_arrivals=len(pieces))))
+    def kernel(x_ref, w_ref, y_ref, x_smem, y_smem, bar):
+        n = jax.lax.axis_index("n")
+        for o, size in pieces:
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(o, size)], x_smem.at[pl.ds(o, size)], bar)
+        plgpu.barrier_wait(bar)
+
+        def step(index, w_smem, acc):
+            (k,) = index
+            xk = cast(x_smem[pl.ds(k * block, block)], plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
+            return acc + w_smem[...].astype(jnp.float32) * jax.lax.broadcast_in_dim(xk, (MOSAIC_ROWS, block), (1,))
+
+        acc = plgpu.emit_pipeline(
+            step, grid=(C // block,), max_concurrent_steps=stages,
+            in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, block), lambda k: (n, k), transforms=transforms)],
+            init_carry=cast(jnp.zeros((MOSAIC_ROWS, block), jnp.float32), plgpu.Layout.WGMMA))(w_ref)
+        y_smem[...] = acc.sum(axis=1).astype(y_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(y_smem, y_ref.at[pl.ds(n * MOSAIC_ROWS, MOSAIC_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+    return kernel(x.reshape(C), w).reshape(1, N)
+
+
+@functools.cache
+def _triton_project_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, y_ptr, C: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        acc = tl.zeros((ROWS,), tl.float32)
+        for at in tl.static_range(0, C, CHUNK):
+            cols = at + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + cols, mask=cols < C, other=0.).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None] * C + cols[None, :], mask=(cols < C)[None, :], other=0.)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        tl.store(y_ptr + rows, acc.to(tl.bfloat16))
+    return kernel
+
+
+def project_jax_triton(x, w, ffi: bool = False):
+    """The Triton-language form of jaxllm's kernel (its tiles, no epilogue) through jax-triton."""
+    import jax_triton as jt
+    (_, C), (N, _) = x.shape, w.shape
+    rows, chunk, warps = _project_tiles(N, C)
+    return _triton_call(jt, x, w, kernel=_triton_project_kernel(), out=jax.ShapeDtypeStruct((1, N), x.dtype),
+                        grid=(N // rows,), num_warps=warps, ffi=ffi, C=C, ROWS=rows, CHUNK=chunk)
+
+
+PROJECT_FORMS = {"pallas_triton": project_pallas_triton,
+                 "pallas_triton_nopdl": functools.partial(project_pallas_triton, pdl=False),
+                 "mosaic_gpu": project_mosaic_gpu, "mosaic_gpu_deep": functools.partial(project_mosaic_gpu, stages=8),
+                 "jax_triton": project_jax_triton, "jax_triton_ffi": functools.partial(project_jax_triton, ffi=True),
+                 "xla": project_xla}
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+def add_norm_inputs(size: tuple[int, int], chain: int):
+    """(the reference call's arguments, the chain's): a row, a delta and a norm weight, both."""
+    args = tuple(jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
+                 for i, shape in enumerate(((1, size[1]), (1, size[1]), (size[1],))))
+    return args, args
+
+
+def add_norm_chain(form, n: int):
     """n calls of `form` in one program, each on the previous one's outputs."""
     def run(x, d, g):
         for _ in range(n):
@@ -222,23 +371,53 @@ def chained(form, n: int):
     return jax.jit(run)
 
 
-def measure(name: str, width: int, chain: int, repeat: int) -> dict:
-    line = dict(kernel="add_norm", form=name, width=width, chain=chain, us_per_call=None, max_abs_err=None,
-                device=jax.devices()[0].device_kind, jax_version=jax.__version__, available=True, error=None)
-    x, d, g = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
-               for i, shape in enumerate(((1, width), (1, width), (width,))))
+def project_inputs(size: tuple[int, int], chain: int):
+    """(the reference call's arguments, the chain's): a row and a matrix a call, alternately
+    [N, C] and [C, N], scaled by 1/sqrt(fan-in) so that the row keeps its size along the chain."""
+    N, C = size
+    x = jax.random.normal(jax.random.key(0), (1, C), jnp.bfloat16)
+    ws = [(jax.random.normal(jax.random.key(i + 1), (N, C) if i % 2 == 0 else (C, N), jnp.float32)
+           / (C if i % 2 == 0 else N) ** 0.5).astype(jnp.bfloat16) for i in range(chain)]
+    return (x, ws[0]), (x, ws)
+
+
+def project_chain(form, n: int):
+    """n calls of `form` in one program, each on the previous one's output and a matrix of its own."""
+    def run(x, ws):
+        for w in ws[:n]:
+            x = form(x, w)
+        return x
+    return jax.jit(run)
+
+
+# kernel: (its forms, calls in a timed program by default, its inputs, its chain)
+KERNELS = {"add_norm": (FORMS, 100, add_norm_inputs, add_norm_chain),
+           "project": (PROJECT_FORMS, 32, project_inputs, project_chain)}
+
+
+def measure(kernel: str, name: str, size: tuple[int, int], chain: int, repeat: int) -> dict:
+    """One JSON line: form `name` of `kernel` at `size` (N, C), timed as `chain` calls."""
+    forms, _, inputs, chained = KERNELS[kernel]
+    N, C = size
+    line = dict(kernel=kernel, form=name, width=C, rows=N, chain=chain, us_per_call=None, gb_per_s=None,
+                max_abs_err=None, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                available=True, error=None)
     try:
-        got = jax.jit(FORMS[name])(x, d, g)
+        args, chain_args = inputs(size, chain)
+        got, want = jax.jit(forms[name])(*args), jax.jit(forms["xla"])(*args)
+        got, want = (jax.tree.leaves(v) for v in (got, want))
         line["max_abs_err"] = max(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
-                                  for a, b in zip(got, xla(x, d, g)))
-        run = chained(FORMS[name], chain)
-        jax.block_until_ready(run(x, d, g))
+                                  for a, b in zip(got, want))
+        run = chained(forms[name], chain)
+        jax.block_until_ready(run(*chain_args))
         best = float("inf")
         for _ in range(repeat):
             t = time.perf_counter()
-            jax.block_until_ready(run(x, d, g))
+            jax.block_until_ready(run(*chain_args))
             best = min(best, time.perf_counter() - t)
         line["us_per_call"] = round(best / chain * 1e6, 3)
+        if kernel == "project":
+            line["gb_per_s"] = round(N * C * 2 / (best / chain) / 1e9, 1)
     except ImportError as e:
         line.update(available=False, error=f"{type(e).__name__}: {e}")
     except Exception as e:  # a form that fails to lower or compile on this JAX is a result too
@@ -246,31 +425,51 @@ def measure(name: str, width: int, chain: int, repeat: int) -> dict:
     return line
 
 
+def _sizes(text: str, pair: bool) -> list[tuple[int, int]] | None:
+    """`--shapes` (pair: "NxC,...") or `--widths` ("C,...") as (N, C) sizes, None where malformed."""
+    try:
+        sizes = [tuple(int(v) for v in item.lower().split("x")) if pair else (1, int(item))
+                 for item in text.split(",")]
+    except ValueError:
+        return None
+    return sizes if all(len(size) == 2 and min(size) >= 1 for size in sizes) else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--widths", default="576,2048,4096", help="row widths, a comma list (default: 576,2048,4096)")
-    p.add_argument("--forms", default=",".join(FORMS), help=f"a comma list of {', '.join(FORMS)} (default: all)")
-    p.add_argument("--chain", type=int, default=100, help="calls in one timed program (default: 100)")
+    p.add_argument("--kernels", default="add_norm,project", help="a comma list of add_norm, project (default: both)")
+    p.add_argument("--widths", default="576,2048,4096", help="add_norm's row widths, a comma list (default: 576,2048,4096)")
+    p.add_argument("--shapes", default="1536x576,576x1536,2048x2048,1024x4096",
+                   help="project's matrices N x C, a comma list (default: SmolLM2's gate and down, "
+                        "Llama-3.2-1B's q, a 4M-weight one)")
+    p.add_argument("--forms", default=None, help="a comma list of the kernels' forms (default: all)")
+    p.add_argument("--chain", type=int, default=None, help="calls in one timed program (default: 100, project 32)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs, the best kept (default: 5)")
     args = p.parse_args(argv)
-    try:
-        widths = [int(w) for w in args.widths.split(",")]
-    except ValueError:
-        p.error(f"--widths must be a comma list of integers, got {args.widths!r}")
-    forms = args.forms.split(",")
-    if unknown := [f for f in forms if f not in FORMS]:
-        p.error(f"unknown form {unknown[0]!r}: choose from {', '.join(FORMS)}")
-    if min(widths) < 1 or args.chain < 1 or args.repeat < 1:
-        p.error("--widths, --chain and --repeat must be >= 1")
+    kernels = args.kernels.split(",")
+    if unknown := [k for k in kernels if k not in KERNELS]:
+        p.error(f"unknown kernel {unknown[0]!r}: choose from {', '.join(KERNELS)}")
+    sizes = {"add_norm": _sizes(args.widths, pair=False), "project": _sizes(args.shapes, pair=True)}
+    if sizes["add_norm"] is None:
+        p.error(f"--widths must be a comma list of integers >= 1, got {args.widths!r}")
+    if sizes["project"] is None:
+        p.error(f"--shapes must be a comma list of N x C pairs such as 2048x2048, got {args.shapes!r}")
+    known = {f for k in kernels for f in KERNELS[k][0]}
+    forms = args.forms.split(",") if args.forms else None
+    if forms and (unknown := [f for f in forms if f not in known]):
+        p.error(f"unknown form {unknown[0]!r}: choose from {', '.join(sorted(known))}")
+    if (args.chain is not None and args.chain < 1) or args.repeat < 1:
+        p.error("--chain and --repeat must be >= 1")
     if jax.default_backend() != "gpu":
         print(f"bench_backends: needs a CUDA GPU (JAX's backend here is {jax.default_backend()})", file=sys.stderr)
         return 2
-    for width in widths:
-        for name in forms:
-            line = measure(name, width, args.chain, args.repeat)
-            print(json.dumps(line), flush=True)
-            print(f"{name:14s} width {width:5d}: {line['us_per_call']} us a call"
-                  + (f" ({line['error']})" if line["error"] else ""), file=sys.stderr)
+    for kernel in kernels:
+        for size in sizes[kernel]:
+            for name in [f for f in KERNELS[kernel][0] if forms is None or f in forms]:
+                line = measure(kernel, name, size, args.chain or KERNELS[kernel][1], args.repeat)
+                print(json.dumps(line), flush=True)
+                print(f"{kernel} {name:20s} {size[0]}x{size[1]}: {line['us_per_call']} us a call"
+                      + (f" ({line['error']})" if line["error"] else ""), file=sys.stderr)
     return 0
 
 

@@ -4,6 +4,7 @@ roofline matches a hand count. No timing is asserted anywhere here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -731,22 +732,45 @@ def test_get_config_reads_a_gguf_header():
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (576, 30, 49152)
 
 
-def test_bench_backends_forms_lower_for_a_gpu_and_the_script_asks_for_one():
-    """scripts/bench_backends.py times one kernel's forms on a GPU (issue 62's port). Its Mosaic GPU
-    forms, jaxllm's Pallas Triton kernel and XLA's lower for CUDA with this JAX at the widths it
-    times by default; on the CPU the script says in one line that it needs a GPU (exit 2)."""
-    path = ROOT / "scripts" / "bench_backends.py"
-    spec = importlib.util.spec_from_file_location("bench_backends", path)
+def _bench_backends():
+    """scripts/bench_backends.py as a module."""
+    spec = importlib.util.spec_from_file_location("bench_backends", ROOT / "scripts" / "bench_backends.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for width in (576, 2048, 4096):
-        row, norm = jax.ShapeDtypeStruct((1, width), jnp.bfloat16), jax.ShapeDtypeStruct((width,), jnp.bfloat16)
-        for form in sorted({f for f in module.FORMS if not f.startswith("jax_triton")}):  # jax-triton needs triton, a GPU library
-            if form == "mosaic_gpu_regs" and width % 512:
-                continue  # the form says it takes multiples of 512 only
-            text = jax.jit(module.FORMS[form]).trace(row, row, norm).lower(lowering_platforms=("cuda",)).as_text()
-            called = "mosaic_gpu" in text if form.startswith("mosaic") else calls_triton(text)
-            assert called == (form != "xla"), (form, width)
+    return module
+
+
+def test_bench_backends_mosaic_gpu_projection_is_the_product_in_mosaic_gpus_interpreter():
+    """The Mosaic GPU one-row projection that bench_backends times is x @ w.T, in Mosaic GPU's
+    interpreter on the CPU (JAX 0.10 names it only under jax._src): several 64-row programs,
+    several blocks in the pipeline, and a C that takes blocks of 64, not 128."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    module = _bench_backends()
+    for N, C in ((192, 384), (128, 576)):
+        (x, w), _ = module.project_inputs((N, C), 1)
+        got = jax.jit(functools.partial(module.project_mosaic_gpu, interpret=InterpretGPUParams()))(x, w)
+        want = x.astype(jnp.float32) @ w.astype(jnp.float32).T
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2**-8, atol=1e-3)
+
+
+def test_bench_backends_forms_lower_for_a_gpu_and_the_script_asks_for_one():
+    """scripts/bench_backends.py times two kernels' forms on a GPU (issue 62's port). Their Mosaic
+    GPU forms, jaxllm's Pallas Triton kernels and XLA's lower for CUDA with this JAX at the sizes
+    it times by default; on the CPU the script says in one line that it needs a GPU (exit 2)."""
+    module = _bench_backends()
+    path = ROOT / "scripts" / "bench_backends.py"
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    cases = [("add_norm", form, (bf16(1, width), bf16(1, width), bf16(width))) for width in (576, 2048, 4096)
+             for form in module.FORMS if not (form == "mosaic_gpu_regs" and width % 512)]  # it takes multiples of 512
+    cases += [("project", form, (bf16(1, C), bf16(N, C))) for N, C in ((1536, 576), (576, 1536), (2048, 2048), (1024, 4096))
+              for form in module.PROJECT_FORMS]
+    for kernel, form, specs in cases:
+        if form.startswith("jax_triton"):
+            continue  # jax-triton needs triton, a GPU library
+        fn = (module.FORMS if kernel == "add_norm" else module.PROJECT_FORMS)[form]
+        text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        called = "mosaic_gpu" in text if form.startswith("mosaic") else calls_triton(text)
+        assert called == (form != "xla"), (kernel, form, specs[-1].shape)
     proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
