@@ -250,26 +250,21 @@ def project_xla(x, w):
     return project(x, w)
 
 
+def _project_family():
+    """The module `jaxllm.kernels.project` (the package's attribute of that name is its function)."""
+    import importlib
+    return importlib.import_module("jaxllm.kernels.project")
+
+
 def project_pallas_triton(x, w, pdl: bool = True):
     """jaxllm's one-row kernel, its tiles as the step plan's tuning gives them."""
-    import importlib
     from jaxllm.kernels import project
     from jaxllm.kernels.tuning import current
-    family = importlib.import_module("jaxllm.kernels.project")  # the module, not the package's function
     tuning = dataclasses.replace(current(), pdl_trigger=pdl)
-    if not family.supports(w, tuning=tuning):
+    if not _project_family().supports(w, tuning=tuning):
         raise ValueError(f"jaxllm's kernel takes matrices of up to {tuning.kernel_max_weights} weights, "
                          f"not {w.size}: a step takes XLA's form there")
     return project(x, w, mode="gpu", tuning=tuning)
-
-
-def _project_tiles(N: int, C: int):
-    """(rows a program, chunk, warps) as `project` picks them for a float matrix."""
-    from jaxllm.kernels.common import pow2
-    from jaxllm.kernels.tuning import current
-    t = current()
-    chunk = pow2(C) if C <= t.one_chunk_channels else min(pow2(C), t.max_chunk)
-    return min(max(2, t.program_elements // chunk), N & -N), chunk, t.project_warps
 
 
 MOSAIC_ROWS = 64  # a warpgroup's tile in Mosaic GPU's WGMMA register layout
@@ -341,7 +336,7 @@ def project_jax_triton(x, w, ffi: bool = False):
     """The Triton-language form of jaxllm's kernel (its tiles, no epilogue) through jax-triton."""
     import jax_triton as jt
     (_, C), (N, _) = x.shape, w.shape
-    rows, chunk, warps = _project_tiles(N, C)
+    rows, chunk, warps = _project_family().tiles(w)
     return _triton_call(jt, x, w, kernel=_triton_project_kernel(), out=jax.ShapeDtypeStruct((1, N), x.dtype),
                         grid=(N // rows,), num_warps=warps, ffi=ffi, C=C, ROWS=rows, CHUNK=chunk)
 

@@ -75,28 +75,14 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     else:
         M, C = x_MC.shape
         out_dtype = out_dtype or x_MC.dtype
-    padded = pow2(C)
     takes = M == 1 and mode is not None and supports(w_NC, swiglu, bias_N is not None, t)
     if heads is not None and not (takes and norm_C is None and not swiglu
                                   and heads_values(heads) <= t.fused_heads_values):
         x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines the splits
     if not takes:
         return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype, activation)
-    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
-    float_w = not isinstance(w_NC, QuantizedWeight)  # its own tiles and order below where int8
-    if int8_tiled(w_NC, t):
-        rows, max_chunk, warps = t.int8_tiles
-        chunk = min(padded, max_chunk)
-        if C % chunk and (C & -C) >= chunk // 2:  # whole chunks, not an overlapping last one
-            chunk = C & -C
-        rows = min(rows, width & -width)
-    else:
-        chunk = padded if float_w and C <= t.one_chunk_channels else min(padded, t.max_chunk)
-        # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
-        # gate and up sharing the weights, but where gate/up comes from HBM unasked (`gate_up_wide`)
-        halved = swiglu and not (t.gate_up_wide if wide is None else wide)
-        rows = min(max(2, t.program_elements // chunk // (2 if halved else 1)), width & -width)
-        warps = t.project_warps
+    float_w = not isinstance(w_NC, QuantizedWeight)  # its own order below where int8
+    rows, chunk, warps = tiles(w_NC, swiglu, wide, t)
     interpret = mode == "interpret"
     ahead = () if interpret else tuple(  # int8 bytes only: the scales are few
         stored(w) for w in prefetch)
@@ -109,6 +95,28 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
                                 squares_last=t.squares_last and float_w,
                                 permute_int8=not interpret and t.int8_convert == "permute",
                                 trigger=pdl_trigger(interpret, t))
+
+
+def tiles(w_NC, swiglu: bool = False, wide: bool | None = None,
+          tuning: KernelTuning | None = None) -> tuple[int, int, int]:
+    """The kernel's program for w: (output rows, the chunk of a row it loads at once, warps)."""
+    t = tuning or current()
+    C = w_NC.shape[-1]
+    padded = pow2(C)
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    if int8_tiled(w_NC, t):
+        rows, max_chunk, warps = t.int8_tiles
+        chunk = min(padded, max_chunk)
+        if C % chunk and (C & -C) >= chunk // 2:  # whole chunks, not an overlapping last one
+            chunk = C & -C
+        return min(rows, width & -width), chunk, warps
+    float_w = not isinstance(w_NC, QuantizedWeight)
+    chunk = padded if float_w and C <= t.one_chunk_channels else min(padded, t.max_chunk)
+    # At least 2 rows a program, as measured (a 1-row block never ran on a GPU), where they divide.
+    # gate and up sharing the weights, but where gate/up comes from HBM unasked (`gate_up_wide`)
+    halved = swiglu and not (t.gate_up_wide if wide is None else wide)
+    rows = min(max(2, t.program_elements // chunk // (2 if halved else 1)), width & -width)
+    return rows, chunk, t.project_warps
 
 
 def heads_values(heads: SplitHeads) -> int:
