@@ -4,6 +4,7 @@ XLA's forms, `generate` gives the normal run's tokens, and each family says so o
 present, every kernel still lowers for a GPU with this JAX (checked on the CPU)."""
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxllm
@@ -108,6 +110,30 @@ def test_mode_without_backend_is_silent_where_no_kernel_would_run(backend_missin
         monkeypatch.setattr(runtime, "gpu_generation", lambda: 0)
         assert common.mode("auto", jnp.bfloat16, "project") is None
     assert runtime._fallen_back == set()
+
+
+def test_mosaic_gpu_backend_stands_without_triton_and_falls_back_without_itself(backend_missing, monkeypatch):
+    """add_norm on Mosaic GPU (JAXLLM_ADD_NORM_BACKEND=mosaic_gpu) needs no Triton: on Hopper it
+    runs with Triton gone, a call it cannot take then takes XLA's form; with Mosaic GPU gone it
+    falls back to XLA with one warning naming that backend; below Hopper it never runs."""
+    from kernel_modes import spy
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert common.mode("auto", jnp.bfloat16, "add_norm", "mosaic_gpu") == "gpu"
+        from jaxllm import kernels
+        mosaic = spy(monkeypatch, "_mosaic_add_norm_call")
+        x, g = jnp.arange(80, dtype=jnp.float32).reshape(1, 80) / 80, jnp.ones((80,))
+        tuning = dataclasses.replace(kernels.current(), add_norm_backend="mosaic_gpu")
+        got = kernels.add_norm(x, x, g, 1e-5, mode="gpu", tuning=tuning)  # 80 wide: not rows of 64
+        want = kernels.add_norm(x, x, g, 1e-5)
+        assert mosaic == [] and all(np.array_equal(a, b) for a, b in zip(got, want))
+        monkeypatch.setattr(runtime, "gpu_generation", lambda: 8)
+        assert common.mode("auto", jnp.bfloat16, "add_norm", "mosaic_gpu") is None
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
+    monkeypatch.setattr(common, "MOSAIC_MISSING", "ImportError: also gone")
+    with pytest.warns(runtime.KernelFallbackWarning, match="add_norm kernel .*Mosaic GPU backend is unavailable .*also gone"):
+        assert common.mode("auto", jnp.bfloat16, "add_norm", "mosaic_gpu") is None
 
 
 def test_mode_with_backend_is_unchanged(monkeypatch):
@@ -226,6 +252,9 @@ def test_every_kernel_lowers_for_a_hopper_gpu_with_this_jax(monkeypatch):
         probe_family("gpu", current())
     assert sorted(lowered) == sorted(probe.PROBES)
     assert [f for f, text in lowered.items() if not calls_triton(text)] == []
+    monkeypatch.setattr(probe, "_compile", lower_for_cuda("add_norm on Mosaic GPU"))
+    probe.PROBES["add_norm"]("gpu", dataclasses.replace(current(), add_norm_backend="mosaic_gpu"))
+    assert "mosaic_gpu" in lowered["add_norm on Mosaic GPU"]
     x, w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
     grouped = jax.jit(moe._grouped_matmul).trace(x, w, jax.ShapeDtypeStruct((4,), jnp.int32))
     assert "mosaic_gpu" in grouped.lower(lowering_platforms=("cuda",)).as_text()

@@ -961,6 +961,65 @@ def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
     assert rel_err(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32)) < tol
 
 
+@pytest.fixture
+def mosaic_interpreter(monkeypatch):
+    """Mosaic GPU kernels in "interpret" mode run in Mosaic GPU's interpreter, whose params JAX
+    0.10 names only under jax._src (which the package does not import, so tests hand them in)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    monkeypatch.setattr(common, "MOSAIC_INTERPRET", InterpretGPUParams())
+
+
+@pytest.mark.parametrize("dtype, C, M, offset, post", [
+    (jnp.float32, 64, 5, 0.0, False),  # one row of 64, padded to 8 in shared memory
+    (jnp.bfloat16, 576, 1, 0.0, False),  # SmolLM2's width: 9 rows of 64, padded to 16
+    (jnp.bfloat16, 1152, 3, 1.0, True),  # Gemma's: norms by (1 + w), the delta normed first
+])
+def test_add_norm_on_mosaic_gpu_equals_xla(monkeypatch, mosaic_interpreter, dtype, C, M, offset, post):
+    """add_norm's Mosaic GPU form (JAXLLM_ADD_NORM_BACKEND=mosaic_gpu), in Mosaic GPU's
+    interpreter: the residual sum exactly, the normed sum to the dtype's last bit at most, as
+    the Triton kernel's test asks; a program a row."""
+    tune(monkeypatch, add_norm_backend="mosaic_gpu")
+    calls = spy(monkeypatch, "_mosaic_add_norm_call", lambda x, *a: x.shape)
+    key = jax.random.key(C)
+    r = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    x, delta = (r(0, (M, C)) * 3).astype(dtype), r(1, (M, C)).astype(dtype)
+    g, pg = ((1 + r(i, (C,)) / 4).astype(dtype) for i in (2, 3))
+    pg = pg if post else None
+    total, normed = kernels.add_norm(x, delta, g, 1e-5, offset=offset, delta_norm_C=pg, mode="interpret")
+    ref_total, ref_normed = kernels.add_norm(x, delta, g, 1e-5, offset=offset, delta_norm_C=pg, mode=None)
+    assert calls == [(M, C)]
+    assert total.dtype == ref_total.dtype and normed.dtype == ref_normed.dtype
+    np.testing.assert_array_equal(np.asarray(total), np.asarray(ref_total))
+    tol = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    assert rel_err(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32)) < tol
+
+
+def test_add_norm_on_mosaic_gpu_leaves_what_it_cannot_take_to_the_triton_kernel(monkeypatch):
+    """Widths not whole rows of 64, norm weights of another dtype and digit rows take the Triton
+    kernel under the Mosaic GPU backend (and a step plan's report says which backend it asked)."""
+    tune(monkeypatch, add_norm_backend="mosaic_gpu")
+    mosaic, triton = spy(monkeypatch, "_mosaic_add_norm_call"), spy(monkeypatch, "_add_norm_call")
+    x = jnp.ones((1, 80), jnp.bfloat16)
+    kernels.add_norm(x, x, jnp.ones((80,), jnp.bfloat16), 1e-5, mode="interpret")
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    kernels.add_norm(x, x, jnp.ones((64,), jnp.float32), 1e-5, mode="interpret")
+    kernels.add_norm(x, x, jnp.ones((64,), jnp.bfloat16), 1e-5, mode="interpret", digits=True)
+    assert (len(mosaic), len(triton)) == (0, 3)
+
+
+@pytest.mark.slow
+def test_decode_through_add_norm_on_mosaic_gpu_matches_the_full_forward(monkeypatch, mosaic_interpreter, tiny):
+    """A tiny model's prefill and decode steps with every residual add + norm on the Mosaic GPU
+    form (in its interpreter) give the full forward's logits."""
+    m = tiny("qwen3")
+    tune(monkeypatch, add_norm_backend="mosaic_gpu")
+    calls = spy(monkeypatch, "_mosaic_add_norm_call")
+    _decode_matches_forward(m, kernels_on=lambda: _interpreted_within("add_norm"))
+    assert len(calls) == 2 * m.params.config.num_layers - 1  # the prefill traced: 2 a layer, the last 1
+    with _interpreted_within("add_norm"):
+        assert plan.describe(plan.step_plan(m.params, 2, 8, fresh=True))["add_norm"] == "mosaic_gpu"
+
+
 def test_add_norm_mode_rules(monkeypatch):
     assert tuning().add_norm == "auto"
     assert plan.add_norm_mode(jnp.float32) is None

@@ -1,6 +1,8 @@
 """Residual add and RMSNorm in one pass: the residual stream and the next block's normed input,
 where XLA ran the add, the norm's reduction and its multiply as passes of their own
-(docs/decisions/add-norm.md). Optionally writes the normed row's int8 digits (`digits.DigitRow`)."""
+(docs/decisions/add-norm.md). Optionally writes the normed row's int8 digits (`digits.DigitRow`).
+Pallas on Triton, or on Mosaic GPU where the tuning's `add_norm_backend` asks for it
+(docs/decisions/kernel-backends.md)."""
 
 import functools
 
@@ -8,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import runtime
-from jaxllm.kernels.common import pl, plt, launch_dependents, pdl_trigger, pow2
+from jaxllm.kernels import common
+from jaxllm.kernels.common import pl, plgpu, plt, launch_dependents, pdl_trigger, pow2
 from jaxllm.kernels.digits import DIGIT_ROWS, DigitRow, store_digits
 from jaxllm.kernels.tuning import KernelTuning, current
 from jaxllm.layers import dense as L
@@ -32,9 +35,16 @@ def add_norm(x_MC, delta_MC, norm_C, eps: float, *, offset: float = 0.0, delta_n
         sum_MC = x_MC + delta_MC
         return sum_MC, L.rms_norm(sum_MC, norm_C, eps, offset)
     digits = digits and x_MC.shape[0] == 1
-    out = _add_norm_call(x_MC, delta_MC.astype(x_MC.dtype), norm_C, delta_norm_C, eps=eps,
-                         offset=offset, interpret=mode == "interpret", digits=digits,
-                         tuning=tuning or current())
+    t = tuning or current()
+    delta_MC = delta_MC.astype(x_MC.dtype)
+    norms = [norm_C] + ([] if delta_norm_C is None else [delta_norm_C])
+    if t.add_norm_backend == "mosaic_gpu" and mosaic_supports(x_MC.shape[1], digits, x_MC.dtype, *norms):
+        return _mosaic_add_norm_call(x_MC, delta_MC, norm_C, delta_norm_C, eps=eps, offset=offset,
+                                     interpret=mode == "interpret", tuning=t)
+    if common.TRITON_MISSING is not None:  # a call the Mosaic GPU form does not take, and no Triton
+        return add_norm(x_MC, delta_MC, norm_C, eps, offset=offset, delta_norm_C=delta_norm_C)
+    out = _add_norm_call(x_MC, delta_MC, norm_C, delta_norm_C, eps=eps,
+                         offset=offset, interpret=mode == "interpret", digits=digits, tuning=t)
     return (out[0], DigitRow(*out[1:])) if digits else out
 
 
@@ -106,3 +116,77 @@ def _add_norm_kernel(x_ref, d_ref, g_ref, *refs, C, P, eps, trigger=False, offse
         *digit_refs, l1_ref = digit_refs
         store_digits(normed[0].astype(f32), cols[0], *digit_refs)
         l1_ref[...] = jnp.sum(jnp.abs(normed.astype(f32))).reshape(1)
+
+
+# --- Mosaic GPU ----------------------------------------------------------------------------------
+
+BOX = 64  # the Mosaic GPU form holds a row as rows of 64: one TMA copy a row and operand
+
+
+def mosaic_supports(C: int, digits: bool = False, dtype=None, *norms) -> bool:
+    """The Mosaic GPU form's limits: widths of whole rows of 64 within one TMA copy (at most 256
+    rows of 64), no digits, and norm weights of the row's dtype (values of two dtypes take two
+    register layouts there, which do not combine); the Triton kernel takes the rest."""
+    return (C % BOX == 0 and C // BOX <= 256 and not digits
+            and all(n.dtype == dtype for n in norms))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "interpret", "tuning"))
+def _mosaic_add_norm_call(x_MC, delta_MC, norm_C, delta_norm_C=None, *, eps, interpret,
+                          tuning: KernelTuning, offset: float = 0.0):
+    """`_add_norm_call`'s arithmetic on Mosaic GPU, no digits: a program a row, each operand in by
+    one TMA copy (the row as [C / 64, 64]) into shared memory, computed there by one warpgroup
+    (rows padded to a multiple of 512 values, its layout's unit, the padding zero), both results
+    out by TMA. In "interpret" mode it runs in Mosaic GPU's interpreter (`common.MOSAIC_INTERPRET`)."""
+    M, C = x_MC.shape
+    R, RP = C // BOX, -(-C // 512) * 512 // BOX  # rows of 64, and as padded
+    post = delta_norm_C is not None
+    normed_dtype = x_MC.dtype if offset else jnp.result_type(norm_C.dtype, x_MC.dtype)
+    if interpret and common.MOSAIC_INTERPRET is None:
+        raise ValueError("the Mosaic GPU add_norm in interpret mode needs kernels.common.MOSAIC_INTERPRET "
+                         "(Mosaic GPU's interpreter's params)")
+    # as the Triton kernel: the early-launch signal where all programs fit on the GPU at once
+    trigger = (tuning.add_norm_trigger and pdl_trigger(interpret, tuning) and M <= runtime.multiprocessors())
+    ins = [x_MC, delta_MC, norm_C] + [delta_norm_C] * post
+    boxes = [a.reshape(*a.shape[:-1], R, BOX) for a in ins]
+    out_type = (jax.ShapeDtypeStruct((M, R, BOX), x_MC.dtype), jax.ShapeDtypeStruct((M, R, BOX), normed_dtype))
+    smem = [plgpu.SMEM((RP, BOX), a.dtype) for a in ins] + [plgpu.SMEM((RP, BOX), o.dtype) for o in out_type]
+
+    @functools.partial(plgpu.kernel, out_type=out_type, grid=(M,), grid_names=("rows",),
+                       scratch_types=dict(smem=smem, bar=plgpu.Barrier(num_arrivals=len(ins))),
+                       interpret=common.MOSAIC_INTERPRET if interpret else False)
+    def kernel(*refs, smem, bar):
+        in_refs, (sum_ref, normed_ref) = refs[:len(ins)], refs[len(ins):]
+        row = jax.lax.axis_index("rows")
+        if trigger:
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
+        if RP != R:  # the padding zero, before the copies land
+            for s in smem[:len(ins)]:
+                s[...] = jnp.zeros(s.shape, s.dtype)
+            plgpu.commit_smem()
+        for ref, s in zip(in_refs, smem):
+            plgpu.copy_gmem_to_smem(ref.at[row] if ref.ndim == 3 else ref, s.at[pl.ds(0, R)], bar)
+        plgpu.barrier_wait(bar)
+        x_s, d_s, g_s, *pg_s = smem[:len(ins)]
+        sum_s, normed_s = smem[len(ins):]
+        f32 = jnp.float32
+
+        def rms_normed(v, w, dtype):  # `_add_norm_kernel`'s, on [RP, 64] values
+            v = v * jax.lax.rsqrt(jnp.sum(v * v) / C + eps)
+            if offset:
+                return (v * (offset + w)).astype(dtype)
+            return (w * v.astype(x_MC.dtype).astype(f32)).astype(dtype)
+
+        d = d_s[...].astype(f32)
+        if post:
+            d = rms_normed(d, pg_s[0][...].astype(f32), x_MC.dtype).astype(f32)
+        total = (x_s[...].astype(f32) + d).astype(sum_s.dtype)
+        sum_s[...] = total
+        normed_s[...] = rms_normed(total.astype(f32), g_s[...].astype(f32), normed_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sum_s.at[pl.ds(0, R)], sum_ref.at[row])
+        plgpu.copy_smem_to_gmem(normed_s.at[pl.ds(0, R)], normed_ref.at[row])
+        plgpu.wait_smem_to_gmem(0)
+    sums, normed = kernel(*boxes)
+    return sums.reshape(M, C), normed.reshape(M, C)

@@ -18,22 +18,35 @@ try:
 except Exception as e:  # ImportError, or any error of a backend half removed
     pl = plt = None
     TRITON_MISSING = f"{type(e).__name__}: {e}".splitlines()[0]
+# Pallas on Mosaic GPU, the backend the port off Triton goes to, family by family where a family's
+# `*_backend` knob asks for it (docs/decisions/kernel-backends.md).
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    MOSAIC_MISSING: str | None = None
+except Exception as e:
+    plgpu = None
+    MOSAIC_MISSING = f"{type(e).__name__}: {e}".splitlines()[0]
+# Mosaic GPU kernels in "interpret" mode run in Mosaic GPU's interpreter under these params, which
+# JAX 0.10 names only under jax._src, which the package does not import: tests set them.
+MOSAIC_INTERPRET = None
 
 NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 
-def mode(switch: str, dtype, family: str) -> str | None:
+def mode(switch: str, dtype, family: str, backend: str = "triton") -> str | None:
     """Kernel `family`'s mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu"
     for a float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's
-    form; float32 models keep XLA's exact arithmetic). Where the family would run but its backend
-    is unavailable, None too, after one warning a family and process."""
+    form; float32 models keep XLA's exact arithmetic). Where the family would run but its
+    `backend` ("triton" or "mosaic_gpu", which needs Hopper) is unavailable, None too, after one
+    warning a family and process."""
     if switch == "xla":
         return None
-    if switch != "interpret" and (runtime.gpu_generation() < 8
+    if switch != "interpret" and (runtime.gpu_generation() < (9 if backend == "mosaic_gpu" else 8)
                                   or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)):
         return None
-    if TRITON_MISSING is not None:
-        runtime.fall_back(family, f"the Pallas Triton backend is unavailable ({TRITON_MISSING})")
+    missing, name = (MOSAIC_MISSING, "Mosaic GPU") if backend == "mosaic_gpu" else (TRITON_MISSING, "Triton")
+    if missing is not None:
+        runtime.fall_back(family, f"the Pallas {name} backend is unavailable ({missing})")
         return None
     return "interpret" if switch == "interpret" else "gpu"
 

@@ -9,6 +9,9 @@ from jaxllm.env import env_choice, env_flag, env_ints, env_number
 # "auto": a kernel on a GPU where the plan allows it, else XLA's form; "xla" never the kernel;
 # "interpret" the kernel in Pallas' interpreter (tests on the CPU).
 MODES = ("auto", "xla", "interpret")
+# A family's kernel backend, where it has more than one: Pallas on Triton (deprecated in JAX 0.11)
+# or Pallas on Mosaic GPU (docs/decisions/kernel-backends.md).
+BACKENDS = ("triton", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class KernelTuning:
     add_norm_rows: int = 1
     add_norm_warps: int = 4
     add_norm_digit_warps: int = 16
+    add_norm_backend: str = "triton"
     # MoE routing (docs/decisions/moe.md#routing-as-one-kernel)
     route: str = "auto"
 
@@ -110,6 +114,7 @@ class KernelTuning:
             add_norm_trigger=env_flag("JAXLLM_PDL_ADD_NORM", True),
             add_norm_rows=add_rows, add_norm_warps=add_warps,
             add_norm_digit_warps=env_number("JAXLLM_ADD_NORM_DIGIT_WARPS", "16"),
+            add_norm_backend=env_choice("JAXLLM_ADD_NORM_BACKEND", BACKENDS, "triton"),
             route=env_choice("JAXLLM_ROUTE", MODES, "auto"))
 
 

@@ -133,7 +133,7 @@ def decode_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) ->
 def add_norm_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
     """Whether residual add + norm pairs take `add_norm`'s kernel."""
     t = tuning or current()
-    return compiles("add_norm", mode(t.add_norm, dtype, "add_norm"), t)
+    return compiles("add_norm", mode(t.add_norm, dtype, "add_norm", t.add_norm_backend), t)
 
 
 def route_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
@@ -307,17 +307,19 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
 def describe(plan: StepPlan) -> dict[str, str]:
     """Which path each part of a step takes, for reports (bench's JSON): per matrix ("qkv", "o",
     "gate_up", "down", "lm_head") "project" (one-row kernel), "rows" (rows kernel) or "xla"; the
-    attention, add+norm pairs and MoE routing "kernel" or "xla". Where layers differ, their paths
-    joined by "/" in layer order (e.g. "kernel/xla")."""
+    attention, add+norm pairs and MoE routing "kernel" or "xla", add+norm "mosaic_gpu" where the
+    tuning puts that family on Mosaic GPU (all but an int8 model's digit rows, which stay on
+    Triton). Where layers differ, their paths joined by "/" in layer order (e.g. "kernel/xla")."""
     def joined(values):
         return "/".join(dict.fromkeys(values))
     layers = plan.layers
     matrix = lambda lp: lp.projection.family or "xla"
+    add_norm_kernel = "mosaic_gpu" if plan.tuning.add_norm_backend == "mosaic_gpu" else "kernel"
     paths = {
         "qkv": joined(matrix(lp) for lp in layers),
         "attention": joined("kernel" if lp.attention else "xla" for lp in layers),
         "o": joined(matrix(lp) for lp in layers),
-        "add_norm": joined("kernel" if lp.add_norm else "xla" for lp in layers),
+        "add_norm": joined((add_norm_kernel if lp.add_norm else "xla") for lp in layers),
         "gate_up": joined(matrix(lp) if lp.ffn_kernel else "xla" for lp in layers),
         "down": joined(matrix(lp) if lp.ffn_kernel else "xla" for lp in layers),
         "lm_head": plan.head.family or "xla",

@@ -8,7 +8,8 @@
   same, and verify steps through it (and rows_project) against XLA's prefill forms;
 - `kernels.project` (batch-1 norm, matrix-vector product and epilogue in one kernel; bf16 and int8)
   and `kernels.rows_project` (decode steps of 8-32 rows) against float32 XLA, and decode through them;
-- `kernels.add_norm` against float32, and a prefill through it against XLA;
+- `kernels.add_norm` against float32, and a prefill through it against XLA, on each backend
+  (Triton, Mosaic GPU);
 - Gemma's switches of those kernels (score scale, soft cap, (1 + w) q/k norms in both attention
   kernels at heads of 256; GeGLU's tanh GELU in gate/up's epilogues; add_norm's (1 + w) norms and
   post-norm), and Gemma 2 and 3 decode and verify steps through every kernel against XLA's;
@@ -438,20 +439,24 @@ def test_rows_generate_unchanged_by_early_launch():
 
 # -- add_norm -------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("backend", tuning_module.BACKENDS)
 @pytest.mark.parametrize("M, C", [(2048, 4096), (32, 4096), (3, 576), (5, 896)])  # long, short; odd
-def test_add_norm_kernel(M, C):
+def test_add_norm_kernel(M, C, backend):
     keys = jax.random.split(jax.random.key(M + C), 3)
     x, delta = (jax.random.normal(k, (M, C), bf16) for k in keys[:2])
     g = 1 + 0.1 * jax.random.normal(keys[2], (C,), bf16)
-    got = kernels.add_norm(x, delta, g, 1e-5, mode="gpu")
+    tuning = dataclasses.replace(kernels.current(), add_norm_backend=backend)
+    got = kernels.add_norm(x, delta, g, 1e-5, mode="gpu", tuning=tuning)
     want = kernels.add_norm(x.astype(f32), delta.astype(f32), g.astype(f32), 1e-5)
     assert rel(got[0], want[0]) <= 1e-2, "sum"
     assert rel(got[1], want[1]) <= 2e-2, "normed"
 
 
+@pytest.mark.parametrize("backend", tuning_module.BACKENDS)
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "llama3.2-1b"])
-def test_prefill_and_decode_via_add_norm_matches_xla(name):
-    outs = _decode_both_ways(*_ragged_batch(name, seed=4), ["ADD_NORM"])
+def test_prefill_and_decode_via_add_norm_matches_xla(name, backend):
+    outs = _with_switches({"ADD_NORM_BACKEND": backend},
+                          lambda: _decode_both_ways(*_ragged_batch(name, seed=4), ["ADD_NORM"]))
     assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2
 
 
@@ -508,12 +513,14 @@ def test_gate_up_kernels_with_gelu_tanh(D, F, M):
         assert rel(got, want) <= 2e-2
 
 
+@pytest.mark.parametrize("backend", tuning_module.BACKENDS)
 @pytest.mark.parametrize("M, C", [(1, 1152), (32, 2304), (3, 576)])
-def test_add_norm_kernel_with_gemmas_norms(M, C):
+def test_add_norm_kernel_with_gemmas_norms(M, C, backend):
     keys = jax.random.split(jax.random.key(M + C), 4)
     x, delta = (jax.random.normal(k, (M, C), bf16) for k in keys[:2])
     g, post = (0.1 * jax.random.normal(k, (C,), bf16) for k in keys[2:])
-    got = kernels.add_norm(x, delta, g, 1e-6, offset=1.0, delta_norm_C=post, mode="gpu")
+    tuning = dataclasses.replace(kernels.current(), add_norm_backend=backend)
+    got = kernels.add_norm(x, delta, g, 1e-6, offset=1.0, delta_norm_C=post, mode="gpu", tuning=tuning)
     want = kernels.add_norm(x.astype(f32), delta.astype(f32), g.astype(f32), 1e-6, offset=1.0,
                             delta_norm_C=post.astype(f32))
     assert rel(got[0], want[0]) <= 1e-2, "sum"
