@@ -48,7 +48,7 @@ prefill's, the largest), peak_pct_of_need the peak against weights + KV cache + 
 device.
 decode_paths says which path a decode step's parts take: {"qkv", "attention", "o", "add_norm",
 "gate_up", "down", "lm_head"(, "route")} -> "project" (one-row kernel), "rows" (rows kernel),
-"kernel", "mosaic_gpu" (add_norm on Mosaic GPU, JAXLLM_ADD_NORM_BACKEND=mosaic_gpu) or "xla"
+"kernel" or "xla", and "mosaic_gpu" -> the families JAXLLM_*_BACKEND=mosaic_gpu put on Mosaic GPU
 (jaxllm.model.plan.describe), so a run on a machine without a kernel backend,
 a kernel whose compile probe failed, or a model feature no kernel has, says so in its line.
 With --model, each line (and the one line of --load-only, which names dtype and quant as well)

@@ -26,9 +26,10 @@ project, one row times a bfloat16 matrix, y = x @ w.T (`jaxllm.kernels.project` 
 epilogue), at `--shapes` N x C (w is [N, C]; the chain alternates it with a [C, N] matrix):
   pallas_triton  jaxllm's kernel with the step's tiles (matrices up to `kernel_max_weights`,
                  past which the step takes XLA's form); pallas_triton_nopdl without PDL
-  mosaic_gpu     Pallas on Mosaic GPU: a program a 64-row tile, its weights streamed through
-                 shared memory by TMA in [64, 128] blocks, 4 in flight (`emit_pipeline`), each
-                 block times the row in registers; mosaic_gpu_deep 8 blocks in flight
+  mosaic_gpu     jaxllm's Mosaic GPU form (JAXLLM_PROJECT_BACKEND=mosaic_gpu): a program a 64-row
+                 tile, its weights streamed through shared memory by TMA in [64, 128] blocks, 4
+                 in flight (`emit_pipeline`), each block times the row in registers;
+                 mosaic_gpu_deep 8 blocks in flight
   jax_triton     the same tiles as jaxllm's kernel, in Triton's own language through jax-triton;
                  jax_triton_ffi through jaxlib's FFI handler (as for add_norm)
   xla            `project`'s XLA form (`layers.project`)
@@ -267,51 +268,15 @@ def project_pallas_triton(x, w, pdl: bool = True):
     return project(x, w, mode="gpu", tuning=tuning)
 
 
-MOSAIC_ROWS = 64  # a warpgroup's tile in Mosaic GPU's WGMMA register layout
-
-
-def project_mosaic_gpu(x, w, block: int = 128, stages: int = 4, interpret=False):
-    """A program a 64-row tile of w: its [64, block] blocks stream through shared memory by TMA
-    (`stages` in flight), each multiplied by the row's block in registers (WGMMA layout, float32)
-    and summed once at the end; block 64 where C is not a multiple of 128. With `interpret`
-    (Mosaic GPU's interpreter's params) the layout casts, which change no value, are left out:
-    the interpreter has no rule for them."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    (_, C), (N, _) = x.shape, w.shape
-    block = block if C % block == 0 else 64
-    if N % MOSAIC_ROWS or C % block:
-        raise ValueError(f"mosaic_gpu takes N and C multiples of {MOSAIC_ROWS}, not {N}x{C}")
-    cast = (lambda v, layout: v) if interpret else plgpu.layout_cast
-    swizzle = plgpu.find_swizzle(block * jnp.dtype(w.dtype).itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(w.dtype).itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
-    pieces = [(o, min(TMA_MAX, C - o)) for o in range(0, C, TMA_MAX)]  # the row's copies in
-
-    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((N,), x.dtype),
-                       grid=(N // MOSAIC_ROWS,), grid_names=("n",), interpret=interpret or False,
-                       scratch_types=dict(x_smem=plgpu.SMEM((C,), x.dtype), y_smem=plgpu.SMEM((MOSAIC_ROWS,), x.dtype),
-                                          bar=plgpu.Barrier(num_arrivals=len(pieces))))
-    def kernel(x_ref, w_ref, y_ref, x_smem, y_smem, bar):
-        n = jax.lax.axis_index("n")
-        for o, size in pieces:
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(o, size)], x_smem.at[pl.ds(o, size)], bar)
-        plgpu.barrier_wait(bar)
-
-        def step(index, w_smem, acc):
-            (k,) = index
-            xk = cast(x_smem[pl.ds(k * block, block)], plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
-            return acc + w_smem[...].astype(jnp.float32) * jax.lax.broadcast_in_dim(xk, (MOSAIC_ROWS, block), (1,))
-
-        acc = plgpu.emit_pipeline(
-            step, grid=(C // block,), max_concurrent_steps=stages,
-            in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, block), lambda k: (n, k), transforms=transforms)],
-            init_carry=cast(jnp.zeros((MOSAIC_ROWS, block), jnp.float32), plgpu.Layout.WGMMA))(w_ref)
-        y_smem[...] = acc.sum(axis=1).astype(y_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(y_smem, y_ref.at[pl.ds(n * MOSAIC_ROWS, MOSAIC_ROWS)])
-        plgpu.wait_smem_to_gmem(0)
-    return kernel(x.reshape(C), w).reshape(1, N)
+def project_mosaic_gpu(x, w, stages: int = 4):
+    """jaxllm's Mosaic GPU form of the kernel (JAXLLM_PROJECT_BACKEND=mosaic_gpu), `stages`
+    weight blocks in flight."""
+    from jaxllm.kernels import project
+    from jaxllm.kernels.tuning import current
+    tuning = dataclasses.replace(current(), project_backend="mosaic_gpu", project_mosaic_stages=stages)
+    if not _project_family().mosaic_supports(w, dtype=x.dtype):
+        raise ValueError(f"the Mosaic GPU form takes widths in whole 64s, not {w.shape}")
+    return project(x, w, mode="gpu", tuning=tuning)
 
 
 @functools.cache

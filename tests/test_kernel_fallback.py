@@ -252,9 +252,10 @@ def test_every_kernel_lowers_for_a_hopper_gpu_with_this_jax(monkeypatch):
         probe_family("gpu", current())
     assert sorted(lowered) == sorted(probe.PROBES)
     assert [f for f, text in lowered.items() if not calls_triton(text)] == []
-    monkeypatch.setattr(probe, "_compile", lower_for_cuda("add_norm on Mosaic GPU"))
-    probe.PROBES["add_norm"]("gpu", dataclasses.replace(current(), add_norm_backend="mosaic_gpu"))
-    assert "mosaic_gpu" in lowered["add_norm on Mosaic GPU"]
+    for family in ("add_norm", "project"):  # the families with a Mosaic GPU form, under that backend
+        monkeypatch.setattr(probe, "_compile", lower_for_cuda(f"{family} on Mosaic GPU"))
+        probe.PROBES[family]("gpu", dataclasses.replace(current(), **{f"{family}_backend": "mosaic_gpu"}))
+        assert "mosaic_gpu" in lowered[f"{family} on Mosaic GPU"], family
     x, w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
     grouped = jax.jit(moe._grouped_matmul).trace(x, w, jax.ShapeDtypeStruct((4,), jnp.int32))
     assert "mosaic_gpu" in grouped.lower(lowering_platforms=("cuda",)).as_text()

@@ -9,8 +9,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import common
 from jaxllm.kernels import digits as D
-from jaxllm.kernels.common import (pl, plt, NEG, launch_dependents, pdl_trigger, pow2, prefetch as _prefetch,
+from jaxllm.kernels.common import (pl, plgpu, plt, NEG, launch_dependents, pdl_trigger, pow2, prefetch as _prefetch,
                                    swiglu as _swiglu, to_f32 as _to_f32)
 from jaxllm.kernels.decode_attention import SplitHeads
 from jaxllm.kernels.digits import DOWN_DIGITS, DigitRow
@@ -79,6 +80,14 @@ def project(x_MC, w_NC, *, norm_C=None, eps: float = 1e-6, bias_N=None, residual
     if heads is not None and not (takes and norm_C is None and not swiglu
                                   and heads_values(heads) <= t.fused_heads_values):
         x_MC, heads = heads.combined().reshape(M, C), None  # XLA combines the splits
+    if takes and t.project_backend == "mosaic_gpu":
+        if heads is not None:  # the Mosaic GPU form takes a plain row: XLA combines the splits
+            x_MC, heads = heads.combined().reshape(M, C), None
+        if mosaic_supports(w_NC, swiglu, x_MC.dtype):
+            return _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, eps=eps, swiglu=swiglu,
+                                        activation=activation, out_dtype=jnp.dtype(out_dtype),
+                                        interpret=mode == "interpret", tuning=t)
+        takes = common.TRITON_MISSING is None  # the rest on the Triton kernel, where there is one
     if not takes:
         return project_xla(x_MC, w_NC, norm_C, eps, bias_N, residual_MN, swiglu, out_dtype, activation)
     float_w = not isinstance(w_NC, QuantizedWeight)  # its own order below where int8
@@ -287,3 +296,107 @@ def _combined_heads(acc_ref, m_ref, l_ref, splits, KG, H, dtype):
     total = jnp.where(real, jnp.sum(l * w, axis=0), 1.0)  # padded rows: 0 / 1, not 0 / 0
     combined = jnp.sum(acc * w[:, :, None], axis=0) / total[:, None]
     return combined.astype(dtype).astype(jnp.float32), real
+
+
+# --- Mosaic GPU ----------------------------------------------------------------------------------
+
+MOSAIC_ROWS = 64  # a program's output channels: a warpgroup's tile in the WGMMA register layout
+
+
+def mosaic_supports(w_NC, swiglu: bool = False, dtype=None) -> bool:
+    """The Mosaic GPU form's limits: a float matrix of x's dtype (int8 ones stay on the Triton
+    kernel), output channels and input channels in whole 64s."""
+    if isinstance(w_NC, QuantizedWeight) or w_NC.dtype != dtype:
+        return False
+    width, C = (w_NC.shape[1] if swiglu else w_NC.shape[0]), w_NC.shape[-1]
+    return width % MOSAIC_ROWS == 0 and C % 64 == 0
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "activation", "out_dtype", "interpret",
+                                             "tuning"))
+def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu, activation,
+                         out_dtype, interpret, tuning: KernelTuning):
+    """`project` on Mosaic GPU (docs/decisions/kernel-backends.md): a program a tile of 64 output
+    channels, their weight rows (gate's and up's with `swiglu`) streamed through shared memory by
+    TMA in [64, block] blocks (`project_mosaic_stages` in flight), each times the row's block in
+    float32 registers, summed once at the end; the norm's inverse RMS, the scales and the epilogue as `_project_kernel` applies them.
+    In "interpret" mode it runs in Mosaic GPU's interpreter (`common.MOSAIC_INTERPRET`), without
+    the layout casts, which change no value and which the interpreter has no rule for."""
+    if interpret and common.MOSAIC_INTERPRET is None:
+        raise ValueError("the Mosaic GPU project in interpret mode needs kernels.common.MOSAIC_INTERPRET "
+                         "(Mosaic GPU's interpreter's params)")
+    C = x_MC.shape[1]
+    width = w_NC.shape[1] if swiglu else w_NC.shape[0]
+    tiles = width // MOSAIC_ROWS
+    block = 128 if C % 128 == 0 else 64
+    w_args = w_NC.reshape(-1, C)  # gate's rows, then up's
+    cast = (lambda v, layout: v) if interpret else plgpu.layout_cast
+    bits = jnp.dtype(w_NC.dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(block * bits)
+    transforms = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+    # the row (and the norm's weight) in once, in copies of at most 256 values
+    pieces = [(o, min(256, C - o)) for o in range(0, C, 256)]
+    P = -(-C // 512) * 512  # shared memory's row, padded with zeros to the loads' unit
+    norm, biased, residual = norm_C is not None, bias_N is not None, residual_MN is not None
+    vectors = [x_MC.reshape(C)] + [norm_C] * norm  # in whole: the row, the norm's weight
+    tile_args = ([bias_N] if biased else []) + ([residual_MN.reshape(width)] if residual else [])  # 64 a tile
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    trigger = pdl_trigger(interpret, tuning)
+
+    @functools.partial(
+        plgpu.kernel, out_type=jax.ShapeDtypeStruct((width,), out_dtype), grid=(tiles,), grid_names=("n",),
+        interpret=common.MOSAIC_INTERPRET if interpret else False,
+        scratch_types=dict(vector_smem=[plgpu.SMEM((P,), v.dtype) for v in vectors],
+                           tile_smem=[plgpu.SMEM((MOSAIC_ROWS,), a.dtype) for a in tile_args],
+                           out_smem=plgpu.SMEM((MOSAIC_ROWS,), out_dtype),
+                           bar=plgpu.Barrier(num_arrivals=len(pieces) * len(vectors) + len(tile_args))))
+    def kernel(*refs, vector_smem, tile_smem, out_smem, bar):
+        vector_refs, w_ref = refs[:len(vectors)], refs[len(vectors)]
+        tile_refs, (o_ref,) = refs[len(vectors) + 1:-1], refs[-1:]
+        n = jax.lax.axis_index("n")
+        here = pl.ds(n * MOSAIC_ROWS, MOSAIC_ROWS)
+        if trigger:
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
+        if P != C and norm:  # the padding zero, before the copies land: the norm sums the whole row
+            vector_smem[0][...] = jnp.zeros((P,), vector_smem[0].dtype)
+            plgpu.commit_smem()
+        for ref, smem in zip(vector_refs, vector_smem):
+            for o, size in pieces:
+                plgpu.copy_gmem_to_smem(ref.at[pl.ds(o, size)], smem.at[pl.ds(o, size)], bar)
+        for ref, smem in zip(tile_refs, tile_smem):
+            plgpu.copy_gmem_to_smem(ref.at[here], smem, bar)
+        plgpu.barrier_wait(bar)
+        f32 = jnp.float32
+
+        def step(index, *blocks_and_sums):
+            *w_blocks, sums = blocks_and_sums
+            at = pl.ds(index[0] * block, block)
+            x = cast(vector_smem[0][at], col_layout).astype(f32)
+            if norm:  # the inverse RMS scales the sums after the loop
+                x = x * cast(vector_smem[1][at], col_layout).astype(f32)
+            x = jax.lax.broadcast_in_dim(x, (MOSAIC_ROWS, block), (1,))
+            return tuple(s + w[...].astype(f32) * x for s, w in zip(sums, w_blocks))
+
+        zero = cast(jnp.zeros((MOSAIC_ROWS, block), f32), plgpu.Layout.WGMMA)
+        specs = [plgpu.BlockSpec((MOSAIC_ROWS, block), lambda k, p=p: (p * tiles + n, k), transforms=transforms)
+                 for p in range(2 if swiglu else 1)]
+        sums = plgpu.emit_pipeline(step, grid=(C // block,), in_specs=specs,
+                                   max_concurrent_steps=tuning.project_mosaic_stages,
+                                   init_carry=(zero,) * len(specs))(*[w_ref] * len(specs))
+        ys = [s.sum(axis=1) for s in sums]
+        if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
+            raw = vector_smem[0][...].astype(f32)
+            ys = [y * jax.lax.rsqrt(jnp.sum(raw * raw) / C + eps) for y in ys]
+        y = _swiglu(*ys, x_MC.dtype, activation) if swiglu else ys[0]
+        y = y.astype(out_dtype)
+        tiles_in = iter(tile_smem)
+        if biased:
+            y = y + cast(next(tiles_in)[...], row_layout).astype(out_dtype)
+        if residual:
+            y = cast(next(tiles_in)[...], row_layout).astype(out_dtype) + y
+        out_smem[...] = y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[here])
+        plgpu.wait_smem_to_gmem(0)
+    return kernel(*vectors, w_args, *tile_args).reshape(1, width)

@@ -44,6 +44,8 @@ class KernelTuning:
     prefetch_lines: bool = True
     weights_first: bool = True
     squares_last: bool = True
+    project_backend: str = "triton"
+    project_mosaic_stages: int = 4  # the Mosaic GPU form's weight blocks in flight
     # int8 (docs/decisions/int8.md)
     int8_convert: str = "permute"
     kernel_max_int8_weights: int = 128 * 2**20
@@ -98,6 +100,8 @@ class KernelTuning:
             prefetch_lines=env_flag("JAXLLM_PREFETCH_LINES", True),
             weights_first=env_flag("JAXLLM_WEIGHTS_FIRST", True),
             squares_last=env_flag("JAXLLM_SQUARES_LAST", True),
+            project_backend=env_choice("JAXLLM_PROJECT_BACKEND", BACKENDS, "triton"),
+            project_mosaic_stages=env_number("JAXLLM_PROJECT_MOSAIC_STAGES", 4),
             int8_convert=env_choice("JAXLLM_INT8_CONVERT", ("permute", "i2f"), "permute"),
             kernel_max_int8_weights=env_number("JAXLLM_PROJECT_MAX_INT8_WEIGHTS", 128 * 2**20),
             int8_tiles=env_ints("JAXLLM_PROJECT_INT8_TILES", "4,4096,4"),

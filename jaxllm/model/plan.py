@@ -127,7 +127,8 @@ def verify_step(tokens_per_row: int, fresh: bool, tuning: KernelTuning | None = 
 def decode_project_mode(dtype, rows: int, tuning: KernelTuning | None = None) -> str | None:
     """Whether a decode step's projections take `project`'s kernel: one row (batch 1)."""
     t = tuning or current()
-    return compiles("project", mode(t.decode_project, dtype, "project"), t) if rows == 1 else None
+    return (compiles("project", mode(t.decode_project, dtype, "project", t.project_backend), t)
+            if rows == 1 else None)
 
 
 def add_norm_mode(dtype, tuning: KernelTuning | None = None) -> str | None:
@@ -307,23 +308,28 @@ def step_plan(params: Params, rows: int, tokens_per_row: int, tuning: KernelTuni
 def describe(plan: StepPlan) -> dict[str, str]:
     """Which path each part of a step takes, for reports (bench's JSON): per matrix ("qkv", "o",
     "gate_up", "down", "lm_head") "project" (one-row kernel), "rows" (rows kernel) or "xla"; the
-    attention, add+norm pairs and MoE routing "kernel" or "xla", add+norm "mosaic_gpu" where the
-    tuning puts that family on Mosaic GPU (all but an int8 model's digit rows, which stay on
-    Triton). Where layers differ, their paths joined by "/" in layer order (e.g. "kernel/xla")."""
+    attention, add+norm pairs and MoE routing "kernel" or "xla". Where layers differ, their paths
+    joined by "/" in layer order (e.g. "kernel/xla"). Where the tuning puts kernel families on
+    Mosaic GPU rather than Triton, "mosaic_gpu" names them (e.g. "add_norm,project"); their calls
+    the Mosaic GPU form does not take (`mosaic_supports`) stay on Triton."""
     def joined(values):
         return "/".join(dict.fromkeys(values))
     layers = plan.layers
     matrix = lambda lp: lp.projection.family or "xla"
-    add_norm_kernel = "mosaic_gpu" if plan.tuning.add_norm_backend == "mosaic_gpu" else "kernel"
     paths = {
         "qkv": joined(matrix(lp) for lp in layers),
         "attention": joined("kernel" if lp.attention else "xla" for lp in layers),
         "o": joined(matrix(lp) for lp in layers),
-        "add_norm": joined((add_norm_kernel if lp.add_norm else "xla") for lp in layers),
+        "add_norm": joined("kernel" if lp.add_norm else "xla" for lp in layers),
         "gate_up": joined(matrix(lp) if lp.ffn_kernel else "xla" for lp in layers),
         "down": joined(matrix(lp) if lp.ffn_kernel else "xla" for lp in layers),
         "lm_head": plan.head.family or "xla",
     }
     if any(lp.moe for lp in layers):
         paths["route"] = joined("kernel" if lp.route else "xla" for lp in layers if lp.moe)
+    t = plan.tuning
+    mosaic = [family for family, backend in (("add_norm", t.add_norm_backend), ("project", t.project_backend))
+              if backend == "mosaic_gpu"]
+    if mosaic:
+        paths["mosaic_gpu"] = ",".join(mosaic)
     return paths

@@ -6,8 +6,9 @@
 - the Pallas decode-attention kernel against float32 XLA attention, and decode steps through it
   against XLA's masked form at real model widths; its few-token form (`verify_attention`) the
   same, and verify steps through it (and rows_project) against XLA's prefill forms;
-- `kernels.project` (batch-1 norm, matrix-vector product and epilogue in one kernel; bf16 and int8)
-  and `kernels.rows_project` (decode steps of 8-32 rows) against float32 XLA, and decode through them;
+- `kernels.project` (batch-1 norm, matrix-vector product and epilogue in one kernel; bf16 and int8;
+  on each backend, Triton and Mosaic GPU) and `kernels.rows_project` (decode steps of 8-32 rows)
+  against float32 XLA, and decode through them;
 - `kernels.add_norm` against float32, and a prefill through it against XLA, on each backend
   (Triton, Mosaic GPU);
 - Gemma's switches of those kernels (score scale, soft cap, (1 + w) q/k norms in both attention
@@ -301,11 +302,13 @@ PROJECT_WIDTHS = [(1024, 4096, 3072), (576, 960, 1536), (4096, 6144, 14336)]
 PROJECT_CASES = [(widths, i) for widths in PROJECT_WIDTHS for i in range(3 if widths[0] == 4096 else 6)]
 
 
+@pytest.mark.parametrize("backend", tuning_module.BACKENDS)
 @pytest.mark.parametrize("widths, case", PROJECT_CASES)
-def test_project_kernel(widths, case):
+def test_project_kernel(widths, case, backend):
     cases, _ = _project_cases(*widths)
     name, a, m, kw = cases[case]
-    got = kernels.project(a, m, mode="gpu", **kw)
+    tuning = dataclasses.replace(kernels.current(), project_backend=backend)  # int8: Triton's either way
+    got = kernels.project(a, m, mode="gpu", tuning=tuning, **kw)
     arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
     static = {k: v for k, v in kw.items() if k not in arrays}
     m32 = m.replace(dtype=f32) if hasattr(m, "q") else m  # int8 values, float32 scale
@@ -376,11 +379,12 @@ def test_project_o_from_attention_splits(K, G, H, D):
 # add_norm's, but gate/up and the lm_head take add_norm's digits on tensor cores.
 @pytest.mark.parametrize("name, int8", [("qwen3-0.6b", False), ("llama3.2-1b", False),
                                         ("llama3-8b", False), ("llama3-8b", True)])
-def test_batch1_decode_via_both_kernels_matches_xla(name, int8):
+@pytest.mark.parametrize("backend", tuning_module.BACKENDS)
+def test_batch1_decode_via_both_kernels_matches_xla(name, int8, backend):
     cfg, params, tokens, start = _ragged_batch(name, seed=3)
     params = quantize_params(params) if int8 else params
-    outs = _decode_both_ways(cfg, params, tokens[1:2], start[1:2],
-                             ["DECODE_ATTENTION", "DECODE_PROJECT"])
+    outs = _with_switches({"PROJECT_BACKEND": backend}, lambda: _decode_both_ways(
+        cfg, params, tokens[1:2], start[1:2], ["DECODE_ATTENTION", "DECODE_PROJECT"]))
     assert rel(outs["auto"][0], outs["xla"][0]) <= 3e-2
 
 
