@@ -309,9 +309,9 @@ def describe(plan: StepPlan) -> dict[str, str]:
     """Which path each part of a step takes, for reports (bench's JSON): per matrix ("qkv", "o",
     "gate_up", "down", "lm_head") "project" (one-row kernel), "rows" (rows kernel) or "xla"; the
     attention, add+norm pairs and MoE routing "kernel" or "xla". Where layers differ, their paths
-    joined by "/" in layer order (e.g. "kernel/xla"). Where the tuning puts kernel families on
-    Mosaic GPU rather than Triton, "mosaic_gpu" names them (e.g. "add_norm,project"); their calls
-    the Mosaic GPU form does not take (`mosaic_supports`) stay on Triton."""
+    joined by "/" in layer order (e.g. "kernel/xla"). Where the tuning puts kernel families the step
+    takes on Mosaic GPU rather than Triton, "mosaic_gpu" names them (e.g. "add_norm,project");
+    their calls the Mosaic GPU form does not take (`mosaic_supports`) stay on Triton."""
     def joined(values):
         return "/".join(dict.fromkeys(values))
     layers = plan.layers
@@ -327,9 +327,9 @@ def describe(plan: StepPlan) -> dict[str, str]:
     }
     if any(lp.moe for lp in layers):
         paths["route"] = joined("kernel" if lp.route else "xla" for lp in layers if lp.moe)
-    t = plan.tuning
-    mosaic = [family for family, backend in (("add_norm", t.add_norm_backend), ("project", t.project_backend))
-              if backend == "mosaic_gpu"]
+    taken = {"add_norm": "kernel" in paths["add_norm"].split("/"),
+             "project": any("project" in paths[m].split("/") for m in ("qkv", "o", "gate_up", "down", "lm_head"))}
+    mosaic = [f for f, on in taken.items() if on and getattr(plan.tuning, f"{f}_backend") == "mosaic_gpu"]
     if mosaic:
         paths["mosaic_gpu"] = ",".join(mosaic)
     return paths
