@@ -115,8 +115,8 @@ def test_mode_without_backend_is_silent_where_no_kernel_would_run(backend_missin
 def test_mosaic_gpu_backend_stands_without_triton_and_falls_back_without_itself(backend_missing, monkeypatch):
     """add_norm on Mosaic GPU (JAXLLM_ADD_NORM_BACKEND=mosaic_gpu) needs no Triton: on Hopper it
     runs with Triton gone, a call it cannot take then takes XLA's form; with Mosaic GPU gone it
-    falls back to XLA with one warning naming that backend; below Hopper it never runs."""
-    from kernel_modes import spy
+    falls back to XLA with one warning naming that backend; below Hopper it says it needs Hopper."""
+    from tests.kernel_modes import spy
     monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -128,8 +128,9 @@ def test_mosaic_gpu_backend_stands_without_triton_and_falls_back_without_itself(
         got = kernels.add_norm(x, x, g, 1e-5, mode="gpu", tuning=tuning)  # 80 wide: not rows of 64
         want = kernels.add_norm(x, x, g, 1e-5)
         assert mosaic == [] and all(np.array_equal(a, b) for a, b in zip(got, want))
-        monkeypatch.setattr(runtime, "gpu_generation", lambda: 8)
-        assert common.mode("auto", jnp.bfloat16, "add_norm", "mosaic_gpu") is None
+    monkeypatch.setattr(runtime, "gpu_generation", lambda: 8)
+    with pytest.warns(runtime.KernelFallbackWarning, match="project kernel .*needs a Hopper GPU"):
+        assert common.mode("auto", jnp.bfloat16, "project", "mosaic_gpu") is None
     monkeypatch.setattr(runtime, "gpu_generation", lambda: 9)
     monkeypatch.setattr(common, "MOSAIC_MISSING", "ImportError: also gone")
     with pytest.warns(runtime.KernelFallbackWarning, match="add_norm kernel .*Mosaic GPU backend is unavailable .*also gone"):

@@ -329,6 +329,14 @@ def project_mode(monkeypatch):
     yield from _interpreted(monkeypatch, "decode_project")
 
 
+@pytest.fixture
+def mosaic_interpreter(monkeypatch):
+    """Mosaic GPU kernels in "interpret" mode run in Mosaic GPU's interpreter, whose params JAX
+    0.10 names only under jax._src (which the package does not import, so tests hand them in)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    monkeypatch.setattr(common, "MOSAIC_INTERPRET", InterpretGPUParams())
+
+
 def _decode_matches_forward(m, rows: int = 2, kernels_on=contextlib.nullcontext):
     """Prefill 8 tokens then decode 6, the last row left-padded: logits equal the full forward's
     (computed outside `kernels_on`, the cached steps inside)."""
@@ -1022,14 +1030,6 @@ def test_add_norm_kernel_equals_xla(monkeypatch, dtype, C, M, rows):
     assert rel_err(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32)) < tol
 
 
-@pytest.fixture
-def mosaic_interpreter(monkeypatch):
-    """Mosaic GPU kernels in "interpret" mode run in Mosaic GPU's interpreter, whose params JAX
-    0.10 names only under jax._src (which the package does not import, so tests hand them in)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    monkeypatch.setattr(common, "MOSAIC_INTERPRET", InterpretGPUParams())
-
-
 @pytest.mark.parametrize("dtype, C, M, offset, post", [
     (jnp.float32, 64, 5, 0.0, False),  # one row of 64, padded to 8 in shared memory
     (jnp.bfloat16, 576, 1, 0.0, False),  # SmolLM2's width: 9 rows of 64, padded to 16
@@ -1057,7 +1057,7 @@ def test_add_norm_on_mosaic_gpu_equals_xla(monkeypatch, mosaic_interpreter, dtyp
 
 def test_add_norm_on_mosaic_gpu_leaves_what_it_cannot_take_to_the_triton_kernel(monkeypatch):
     """Widths not whole rows of 64, norm weights of another dtype and digit rows take the Triton
-    kernel under the Mosaic GPU backend (and a step plan's report says which backend it asked)."""
+    kernel under the Mosaic GPU backend."""
     tune(monkeypatch, add_norm_backend="mosaic_gpu")
     mosaic, triton = spy(monkeypatch, "_mosaic_add_norm_call"), spy(monkeypatch, "_add_norm_call")
     x = jnp.ones((1, 80), jnp.bfloat16)

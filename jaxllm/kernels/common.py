@@ -37,12 +37,15 @@ def mode(switch: str, dtype, family: str, backend: str = "triton") -> str | None
     """Kernel `family`'s mode under its switch ("auto", "xla" or "interpret"): with "auto", "gpu"
     for a float16/bfloat16 model on a GPU from Ampere on (bf16 tensor cores), else None (XLA's
     form; float32 models keep XLA's exact arithmetic). Where the family would run but its
-    `backend` ("triton" or "mosaic_gpu", which needs Hopper) is unavailable, None too, after one
-    warning a family and process."""
+    `backend` ("triton" or "mosaic_gpu") is unavailable, or is Mosaic GPU below Hopper, None
+    too, after one warning a family and process."""
     if switch == "xla":
         return None
-    if switch != "interpret" and (runtime.gpu_generation() < (9 if backend == "mosaic_gpu" else 8)
+    if switch != "interpret" and (runtime.gpu_generation() < 8
                                   or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)):
+        return None
+    if backend == "mosaic_gpu" and switch != "interpret" and runtime.gpu_generation() < 9:
+        runtime.fall_back(family, "its Mosaic GPU form needs a Hopper GPU or later")
         return None
     missing, name = (MOSAIC_MISSING, "Mosaic GPU") if backend == "mosaic_gpu" else (TRITON_MISSING, "Triton")
     if missing is not None:

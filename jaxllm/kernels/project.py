@@ -319,8 +319,8 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
     """`project` on Mosaic GPU (docs/decisions/kernel-backends.md): a program a tile of 64 output
     channels, their weight rows (gate's and up's with `swiglu`) streamed through shared memory by
     TMA in [64, block] blocks (`project_mosaic_stages` in flight), each times the row's block in
-    float32 registers, summed once at the end; the norm's inverse RMS, the scales and the epilogue as `_project_kernel` applies them.
-    In "interpret" mode it runs in Mosaic GPU's interpreter (`common.MOSAIC_INTERPRET`), without
+    float32 registers, summed once at the end; the norm's inverse RMS and the epilogue as
+    `_project_kernel` applies them. In "interpret" mode it runs in Mosaic GPU's interpreter (`common.MOSAIC_INTERPRET`), without
     the layout casts, which change no value and which the interpreter has no rule for."""
     if interpret and common.MOSAIC_INTERPRET is None:
         raise ValueError("the Mosaic GPU project in interpret mode needs kernels.common.MOSAIC_INTERPRET "
