@@ -431,7 +431,10 @@ def _mosaic_project_cases(dtype):
             ("o + bias + residual", x, w, dict(bias_N=b, residual_MN=res)),
             ("norm + gate/up + swiglu", x, w_gate_up, dict(norm_C=g, swiglu=True)),
             ("gate/up + GeGLU", x[:, :128], w_gate_up[..., :128], dict(swiglu=True, activation="gelu_tanh")),
-            ("norm + lm_head in float32", x, w, dict(norm_C=g, out_dtype=jnp.float32))]
+            ("norm + lm_head in float32", x, w, dict(norm_C=g, out_dtype=jnp.float32)),
+            ("int8 norm + qkv + residual", x[:, :128], quantize(w[:, :128]),
+             dict(norm_C=g[:128], residual_MN=res)),
+            ("int8 gate/up + swiglu", x[:, :128], quantize(w_gate_up[..., :128]), dict(swiglu=True))]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -455,14 +458,14 @@ def test_project_on_mosaic_gpu_equals_xla(monkeypatch, mosaic_interpreter, dtype
 
 
 def test_project_on_mosaic_gpu_leaves_what_it_cannot_take_to_the_triton_kernel(monkeypatch):
-    """int8 matrices and widths not in whole 64s take the Triton kernel under the Mosaic GPU
-    backend, as do matrices of another dtype than the row's."""
+    """Widths not in whole 64s take the Triton kernel under the Mosaic GPU backend, float or
+    int8, as do matrices of another dtype than the row's."""
     tune(monkeypatch, project_backend="mosaic_gpu")
     mosaic = spy(monkeypatch, "_mosaic_project_call")
     triton = spy(monkeypatch, "_project_kernel_call", module=project_module)
     _, x, w, _ = _project_cases(1)[1]  # 48 x 80
     x64 = jnp.ones((1, 64), jnp.float32)
-    for row, matrix in ((x, w), (x64, quantize(jnp.ones((64, 64)))), (x64, jnp.ones((64, 64), jnp.bfloat16))):
+    for row, matrix in ((x, w), (x, quantize(w)), (x64, jnp.ones((64, 64), jnp.bfloat16))):
         kernels.project(row, matrix, mode="interpret")
     assert (len(mosaic), len(triton)) == (0, 3)
 
@@ -471,13 +474,18 @@ def test_project_on_mosaic_gpu_leaves_what_it_cannot_take_to_the_triton_kernel(m
 def test_decode_through_project_on_mosaic_gpu_matches_the_full_forward(monkeypatch, mosaic_interpreter, tiny):
     """A tiny model's batch-1 decode steps with its projections on the Mosaic GPU form where their
     widths are whole 64s (qkv, o, the lm_head), on the Triton kernel where not (gate/up and down,
-    of 96), give the full forward's logits."""
+    of 96), give the full forward's logits; in int8, XLA's logits."""
     m = tiny("llama")
     tune(monkeypatch, project_backend="mosaic_gpu")
     mosaic = spy(monkeypatch, "_mosaic_project_call", lambda x, w, *a: w.shape)
     triton = spy(monkeypatch, "_project_kernel_call", lambda x, w, *a: w.shape, module=project_module)
     _decode_matches_forward(m, rows=1, kernels_on=lambda: _interpreted_within("decode_project"))
     assert mosaic and triton
+    # int8 weights: the 64-wide ones on Mosaic GPU, the others on Triton, against XLA's steps
+    mosaic.clear()
+    params = quantize_params(m.params)
+    runs = decode_per_mode(monkeypatch, params, random_tokens((1, 6), seed=4), 4, ["decode_project"])
+    assert rel_err(runs[1], runs[0]) < 1e-5 and mosaic
 
 
 def _split_heads(splits, K=3, G=3, H=16, seed=0):

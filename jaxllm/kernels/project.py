@@ -304,9 +304,10 @@ MOSAIC_ROWS = 64  # a program's output channels: a warpgroup's tile in the WGMMA
 
 
 def mosaic_supports(w_NC, swiglu: bool = False, dtype=None) -> bool:
-    """The Mosaic GPU form's limits: a float matrix of x's dtype (int8 ones stay on the Triton
-    kernel), output channels and input channels in whole 64s."""
-    if isinstance(w_NC, QuantizedWeight) or w_NC.dtype != dtype:
+    """The Mosaic GPU form's limits: a float matrix of x's dtype or an int8 one standing in for
+    one (converted in registers; the same tiles at any size, where the Triton kernel takes
+    `int8_tiles` past `kernel_max_weights`), and output and input channels in whole 64s."""
+    if w_NC.dtype != dtype:
         return False
     width, C = (w_NC.shape[1] if swiglu else w_NC.shape[0]), w_NC.shape[-1]
     return width % MOSAIC_ROWS == 0 and C % 64 == 0
@@ -329,6 +330,9 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     tiles = width // MOSAIC_ROWS
     block = 128 if C % 128 == 0 else 64
+    scales = None
+    if isinstance(w_NC, QuantizedWeight):  # int8 values; per-channel scales after the sums
+        w_NC, scales = w_NC.q, w_NC.scale.astype(jnp.float32).reshape(-1)
     w_args = w_NC.reshape(-1, C)  # gate's rows, then up's
     cast = (lambda v, layout: v) if interpret else plgpu.layout_cast
     bits = jnp.dtype(w_NC.dtype).itemsize * 8
@@ -339,7 +343,10 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
     P = -(-C // 512) * 512  # shared memory's row, padded with zeros to the loads' unit
     norm, biased, residual = norm_C is not None, bias_N is not None, residual_MN is not None
     vectors = [x_MC.reshape(C)] + [norm_C] * norm  # in whole: the row, the norm's weight
-    tile_args = ([bias_N] if biased else []) + ([residual_MN.reshape(width)] if residual else [])  # 64 a tile
+    # 64 a tile: the scales (gate's, then up's), the bias, the residual
+    tile_args = (([scales] if scales is not None else []) + ([bias_N] if biased else [])
+                 + ([residual_MN.reshape(width)] if residual else []))
+    tile_parts = [2 if swiglu and scales is not None and i == 0 else 1 for i in range(len(tile_args))]
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     trigger = pdl_trigger(interpret, tuning)
 
@@ -347,9 +354,9 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
         plgpu.kernel, out_type=jax.ShapeDtypeStruct((width,), out_dtype), grid=(tiles,), grid_names=("n",),
         interpret=common.MOSAIC_INTERPRET if interpret else False,
         scratch_types=dict(vector_smem=[plgpu.SMEM((P,), v.dtype) for v in vectors],
-                           tile_smem=[plgpu.SMEM((MOSAIC_ROWS,), a.dtype) for a in tile_args],
+                           tile_smem=[plgpu.SMEM((k, MOSAIC_ROWS), a.dtype) for a, k in zip(tile_args, tile_parts)],
                            out_smem=plgpu.SMEM((MOSAIC_ROWS,), out_dtype),
-                           bar=plgpu.Barrier(num_arrivals=len(pieces) * len(vectors) + len(tile_args))))
+                           bar=plgpu.Barrier(num_arrivals=len(pieces) * len(vectors) + sum(tile_parts))))
     def kernel(*refs, vector_smem, tile_smem, out_smem, bar):
         vector_refs, w_ref = refs[:len(vectors)], refs[len(vectors)]
         tile_refs, (o_ref,) = refs[len(vectors) + 1:-1], refs[-1:]
@@ -364,8 +371,10 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
         for ref, smem in zip(vector_refs, vector_smem):
             for o, size in pieces:
                 plgpu.copy_gmem_to_smem(ref.at[pl.ds(o, size)], smem.at[pl.ds(o, size)], bar)
-        for ref, smem in zip(tile_refs, tile_smem):
-            plgpu.copy_gmem_to_smem(ref.at[here], smem, bar)
+        for ref, smem, parts in zip(tile_refs, tile_smem, tile_parts):
+            for p in range(parts):  # gate's and up's scales: the same tile of each half
+                plgpu.copy_gmem_to_smem(ref.at[pl.ds((p * tiles + n) * MOSAIC_ROWS, MOSAIC_ROWS)],
+                                        smem.at[p], bar)
         plgpu.barrier_wait(bar)
         f32 = jnp.float32
 
@@ -388,13 +397,16 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
         if norm:  # as layers.rms_norm: statistics in float32, eps inside the rsqrt
             raw = vector_smem[0][...].astype(f32)
             ys = [y * jax.lax.rsqrt(jnp.sum(raw * raw) / C + eps) for y in ys]
+        tiles_in = iter(tile_smem)
+        if scales is not None:
+            scale_smem = next(tiles_in)
+            ys = [y * cast(scale_smem[p], row_layout) for p, y in enumerate(ys)]
         y = _swiglu(*ys, x_MC.dtype, activation) if swiglu else ys[0]
         y = y.astype(out_dtype)
-        tiles_in = iter(tile_smem)
         if biased:
-            y = y + cast(next(tiles_in)[...], row_layout).astype(out_dtype)
+            y = y + cast(next(tiles_in)[0], row_layout).astype(out_dtype)
         if residual:
-            y = cast(next(tiles_in)[...], row_layout).astype(out_dtype) + y
+            y = cast(next(tiles_in)[0], row_layout).astype(out_dtype) + y
         out_smem[...] = y
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, o_ref.at[here])
