@@ -2,11 +2,11 @@
 """Time GPU kernels in each kernel backend a port off Pallas' Triton backend could take: one JSON
 line per (kernel, size, form) on stdout, the rest on stderr. Needs a CUDA GPU.
 
-    python scripts/bench_backends.py                       # both kernels, their default sizes
+    python scripts/bench_backends.py                       # every kernel, its default sizes
     python scripts/bench_backends.py --kernels add_norm --widths 4096 --chain 200
     python scripts/bench_backends.py --kernels project --shapes 1536x576,2048x2048
 
-Two kernels of a decode step, each written these ways:
+Three kernels of a decode step, each written these ways:
 
 add_norm, residual add + RMSNorm of one row (`jaxllm.kernels.add_norm`), at `--widths`:
   pallas_triton  jaxllm's kernel (Pallas on the Triton backend, which JAX 0.11 deprecated); on
@@ -34,14 +34,21 @@ epilogue), at `--shapes` N x C (w is [N, C]; the chain alternates it with a [C, 
                  jax_triton_ffi through jaxlib's FFI handler (as for add_norm)
   xla            `project`'s XLA form (`layers.project`)
 
+rows, M rows (8-32, a decode step's) times a bfloat16 matrix (`jaxllm.kernels.rows_project`
+without epilogue), at `--rows-shapes` M x N x C, the chain as project's:
+  pallas_triton  jaxllm's tensor-core kernel (Triton) with `rows_tiles`' tiles
+  mosaic_gpu     a Mosaic GPU tensor-core (wgmma) kernel with the same tiles, the rows as the left
+                 operand; not in the package (only a GPU checks its arithmetic: max_abs_err)
+  xla            `rows_project`'s XLA form
+
 A decode step is launch-bound at small sizes, so what matters is a call's cost among others: the
 forms are timed as `--chain` calls one after another in one jitted program (each call's outputs the
 next one's inputs; project's calls each read a matrix of their own, so that the chain streams them
 from memory as a step does, not from L2), the best of `--repeat` runs, over `--chain`.
 
-JSON keys: kernel, form, width (C), rows (N: project's, 1 for add_norm), chain, us_per_call,
-gb_per_s (project: the matrix's bytes over us_per_call), max_abs_err (against xla, in bf16),
-device, jax_version, available, error.
+JSON keys: kernel, form, width (C), rows (N: the matrix's, 1 for add_norm), batch (M: rows', 1
+for the others), chain, us_per_call, gb_per_s (project, rows: the matrix's bytes over
+us_per_call), max_abs_err (against xla, in bf16), device, jax_version, available, error.
 """
 
 from __future__ import annotations
@@ -313,6 +320,69 @@ PROJECT_FORMS = {"pallas_triton": project_pallas_triton,
                  "xla": project_xla}
 
 
+# --- rows: a decode step's 8-32 rows times a matrix ----------------------------------------------
+
+def rows_xla(x, w):
+    """`rows_project`'s XLA form, the others' reference."""
+    from jaxllm.kernels import rows_project
+    return rows_project(x, w)
+
+
+def rows_pallas_triton(x, w):
+    """jaxllm's rows kernel (tensor cores, Triton), its tiles as `rows_tiles` gives them."""
+    from jaxllm.kernels import rows_project
+    from jaxllm.kernels.rows_project import supports
+    if not supports(w):
+        raise ValueError(f"jaxllm's rows kernel has no tiles for {w.shape}: a step takes XLA's form there")
+    return rows_project(x, w, mode="gpu")
+
+
+SMEM_BUDGET = 200 * 1024  # shared memory the pipeline's blocks may take (Hopper: 227 KB a block)
+
+
+def rows_mosaic_gpu(x, w):
+    """Pallas on Mosaic GPU, tensor cores (wgmma): a program a tile of `rows_tiles`' outputs; the
+    rows as the left operand, a [64, chunk] block of x (the rows past x's last outside its bounds,
+    which the TMA copy fills with zeros, and whose products are never stored), the matrix's tile as
+    the right one, transposed in shared memory; as many blocks in flight as fit SMEM_BUDGET, at
+    most 4. The tile is stored untransposed, the first M rows of it. Not in the package: Mosaic
+    GPU's interpreter (JAX 0.10) has no transposed wgmma operand, so only a GPU checks it
+    (docs/decisions/kernel-backends.md)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jaxllm.kernels.rows_project import rows_tiles
+    (M, C), (N, _) = x.shape, w.shape
+    tiles = rows_tiles(N, C)
+    if tiles is None or M > 64:
+        raise ValueError(f"no rows tiles for {M} rows of {w.shape}")
+    outputs, chunk = tiles[:2]
+    stages = max(1, min(4, SMEM_BUDGET // ((64 + outputs) * chunk * 2)))
+    swizzle = plgpu.find_swizzle(chunk * 16)
+    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((M, N), x.dtype), grid=(N // outputs,),
+                       grid_names=("n",), scratch_types=dict(o_smem=plgpu.SMEM((64, outputs), x.dtype)))
+    def kernel(x_ref, w_ref, o_ref, o_smem):
+        n = jax.lax.axis_index("n")
+
+        def sums(acc_ref):
+            def step(index, x_smem, w_smem):
+                plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
+                plgpu.wgmma_wait(0)
+            plgpu.emit_pipeline(step, grid=(C // chunk,), max_concurrent_steps=stages, in_specs=[
+                plgpu.BlockSpec((64, chunk), lambda k: (0, k), transforms=transforms),
+                plgpu.BlockSpec((outputs, chunk), lambda k: (n, k), transforms=transforms)])(x_ref, w_ref)
+            return acc_ref[...]
+        o_smem[...] = pl.run_scoped(sums, plgpu.ACC((64, outputs), jnp.float32)).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, M)], o_ref.at[:, pl.ds(n * outputs, outputs)])
+        plgpu.wait_smem_to_gmem(0)
+    return kernel(x, w)
+
+
+ROWS_FORMS = {"pallas_triton": rows_pallas_triton, "mosaic_gpu": rows_mosaic_gpu, "xla": rows_xla}
+
+
 # --- timing ---------------------------------------------------------------------------------------
 
 def add_norm_inputs(size: tuple[int, int], chain: int):
@@ -331,11 +401,12 @@ def add_norm_chain(form, n: int):
     return jax.jit(run)
 
 
-def project_inputs(size: tuple[int, int], chain: int):
-    """(the reference call's arguments, the chain's): a row and a matrix a call, alternately
-    [N, C] and [C, N], scaled by 1/sqrt(fan-in) so that the row keeps its size along the chain."""
-    N, C = size
-    x = jax.random.normal(jax.random.key(0), (1, C), jnp.bfloat16)
+def project_inputs(size: tuple[int, ...], chain: int):
+    """(the reference call's arguments, the chain's): M rows (size (N, C): one; (M, N, C): M) and
+    a matrix a call, alternately [N, C] and [C, N], scaled by 1/sqrt(fan-in) so that the rows keep
+    their size along the chain."""
+    M, N, C = (1, *size) if len(size) == 2 else size
+    x = jax.random.normal(jax.random.key(0), (M, C), jnp.bfloat16)
     ws = [(jax.random.normal(jax.random.key(i + 1), (N, C) if i % 2 == 0 else (C, N), jnp.float32)
            / (C if i % 2 == 0 else N) ** 0.5).astype(jnp.bfloat16) for i in range(chain)]
     return (x, ws[0]), (x, ws)
@@ -352,14 +423,17 @@ def project_chain(form, n: int):
 
 # kernel: (its forms, calls in a timed program by default, its inputs, its chain)
 KERNELS = {"add_norm": (FORMS, 100, add_norm_inputs, add_norm_chain),
-           "project": (PROJECT_FORMS, 32, project_inputs, project_chain)}
+           "project": (PROJECT_FORMS, 32, project_inputs, project_chain),
+           "rows": (ROWS_FORMS, 16, project_inputs, project_chain)}
 
 
-def measure(kernel: str, name: str, size: tuple[int, int], chain: int, repeat: int) -> dict:
-    """One JSON line: form `name` of `kernel` at `size` (N, C), timed as `chain` calls."""
+def measure(kernel: str, name: str, size: tuple[int, ...], chain: int, repeat: int) -> dict:
+    """One JSON line: form `name` of `kernel` at `size` ((N, C), or rows' (M, N, C)), timed as
+    `chain` calls."""
     forms, _, inputs, chained = KERNELS[kernel]
-    N, C = size
-    line = dict(kernel=kernel, form=name, width=C, rows=N, chain=chain, us_per_call=None, gb_per_s=None,
+    N, C = size[-2:]
+    line = dict(kernel=kernel, form=name, width=C, rows=N, batch=size[0] if len(size) == 3 else 1,
+                chain=chain, us_per_call=None, gb_per_s=None,
                 max_abs_err=None, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
                 available=True, error=None)
     try:
@@ -376,7 +450,7 @@ def measure(kernel: str, name: str, size: tuple[int, int], chain: int, repeat: i
             jax.block_until_ready(run(*chain_args))
             best = min(best, time.perf_counter() - t)
         line["us_per_call"] = round(best / chain * 1e6, 3)
-        if kernel == "project":
+        if kernel != "add_norm":
             line["gb_per_s"] = round(N * C * 2 / (best / chain) / 1e9, 1)
     except ImportError as e:
         line.update(available=False, error=f"{type(e).__name__}: {e}")
@@ -385,35 +459,45 @@ def measure(kernel: str, name: str, size: tuple[int, int], chain: int, repeat: i
     return line
 
 
-def _sizes(text: str, pair: bool) -> list[tuple[int, int]] | None:
-    """`--shapes` (pair: "NxC,...") or `--widths` ("C,...") as (N, C) sizes, None where malformed."""
+def _sizes(text: str, parts: int) -> list[tuple[int, ...]] | None:
+    """`--widths` ("C,...": parts 1, as (1, C)), `--shapes` ("NxC,...": 2) or `--rows-shapes`
+    ("MxNxC,...": 3) as size tuples, None where malformed."""
     try:
-        sizes = [tuple(int(v) for v in item.lower().split("x")) if pair else (1, int(item))
-                 for item in text.split(",")]
+        sizes = [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]
     except ValueError:
         return None
-    return sizes if all(len(size) == 2 and min(size) >= 1 for size in sizes) else None
+    if not all(len(size) == parts and min(size) >= 1 for size in sizes):
+        return None
+    return [(1, *size) for size in sizes] if parts == 1 else sizes
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernels", default="add_norm,project", help="a comma list of add_norm, project (default: both)")
+    p.add_argument("--kernels", default="add_norm,project,rows",
+                   help="a comma list of add_norm, project, rows (default: all)")
     p.add_argument("--widths", default="576,2048,4096", help="add_norm's row widths, a comma list (default: 576,2048,4096)")
     p.add_argument("--shapes", default="1536x576,576x1536,2048x2048,1024x4096",
                    help="project's matrices N x C, a comma list (default: SmolLM2's gate and down, "
                         "Llama-3.2-1B's q, a 4M-weight one)")
+    p.add_argument("--rows-shapes", default="32x4096x4096,32x14336x4096,8x2048x2048",
+                   help="rows' M rows x N x C, a comma list (default: 32 rows of the 8B shape's o and "
+                        "gate, 8 of Llama-3.2-1B's q)")
     p.add_argument("--forms", default=None, help="a comma list of the kernels' forms (default: all)")
-    p.add_argument("--chain", type=int, default=None, help="calls in one timed program (default: 100, project 32)")
+    p.add_argument("--chain", type=int, default=None,
+                   help="calls in one timed program (default: add_norm 100, project 32, rows 16)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs, the best kept (default: 5)")
     args = p.parse_args(argv)
     kernels = args.kernels.split(",")
     if unknown := [k for k in kernels if k not in KERNELS]:
         p.error(f"unknown kernel {unknown[0]!r}: choose from {', '.join(KERNELS)}")
-    sizes = {"add_norm": _sizes(args.widths, pair=False), "project": _sizes(args.shapes, pair=True)}
+    sizes = {"add_norm": _sizes(args.widths, 1), "project": _sizes(args.shapes, 2),
+             "rows": _sizes(args.rows_shapes, 3)}
     if sizes["add_norm"] is None:
         p.error(f"--widths must be a comma list of integers >= 1, got {args.widths!r}")
     if sizes["project"] is None:
         p.error(f"--shapes must be a comma list of N x C pairs such as 2048x2048, got {args.shapes!r}")
+    if sizes["rows"] is None:
+        p.error(f"--rows-shapes must be a comma list of M x N x C such as 32x4096x4096, got {args.rows_shapes!r}")
     known = {f for k in kernels for f in KERNELS[k][0]}
     forms = args.forms.split(",") if args.forms else None
     if forms and (unknown := [f for f in forms if f not in known]):
@@ -428,7 +512,7 @@ def main(argv=None) -> int:
             for name in [f for f in KERNELS[kernel][0] if forms is None or f in forms]:
                 line = measure(kernel, name, size, args.chain or KERNELS[kernel][1], args.repeat)
                 print(json.dumps(line), flush=True)
-                print(f"{kernel} {name:20s} {size[0]}x{size[1]}: {line['us_per_call']} us a call"
+                print(f"{kernel} {name:20s} {'x'.join(map(str, size))}: {line['us_per_call']} us a call"
                       + (f" ({line['error']})" if line["error"] else ""), file=sys.stderr)
     return 0
 

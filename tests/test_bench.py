@@ -740,7 +740,7 @@ def _bench_backends():
 
 
 def test_bench_backends_forms_lower_for_a_gpu_and_the_script_asks_for_one():
-    """scripts/bench_backends.py times two kernels' forms on a GPU (issue 62's port). Their Mosaic
+    """scripts/bench_backends.py times three kernels' forms on a GPU (issue 62's port). Their Mosaic
     GPU forms, jaxllm's Pallas Triton kernels and XLA's lower for CUDA with this JAX at the sizes
     it times by default; on the CPU the script says in one line that it needs a GPU (exit 2)."""
     module = _bench_backends()
@@ -750,10 +750,12 @@ def test_bench_backends_forms_lower_for_a_gpu_and_the_script_asks_for_one():
              for form in module.FORMS if not (form == "mosaic_gpu_regs" and width % 512)]  # it takes multiples of 512
     cases += [("project", form, (bf16(1, C), bf16(N, C))) for N, C in ((1536, 576), (576, 1536), (2048, 2048), (1024, 4096))
               for form in module.PROJECT_FORMS]
+    cases += [("rows", form, (bf16(M, C), bf16(N, C))) for M, N, C in ((32, 4096, 4096), (32, 14336, 4096), (8, 2048, 2048))
+              for form in module.ROWS_FORMS]
     for kernel, form, specs in cases:
         if form.startswith("jax_triton"):
             continue  # jax-triton needs triton, a GPU library
-        fn = (module.FORMS if kernel == "add_norm" else module.PROJECT_FORMS)[form]
+        fn = module.KERNELS[kernel][0][form]
         text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         called = "mosaic_gpu" in text if form.startswith("mosaic") else calls_triton(text)
         assert called == (form != "xla"), (kernel, form, specs[-1].shape)
