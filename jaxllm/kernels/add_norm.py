@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxllm import runtime
 from jaxllm.kernels import common
-from jaxllm.kernels.common import pl, plgpu, plt, launch_dependents, pdl_trigger, pow2
+from jaxllm.kernels.common import pl, plgpu, plt, launch_dependents, mosaic_interpret, pdl_trigger, pow2
 from jaxllm.kernels.digits import DIGIT_ROWS, DigitRow, store_digits
 from jaxllm.kernels.tuning import KernelTuning, current
 from jaxllm.layers import dense as L
@@ -142,9 +142,7 @@ def _mosaic_add_norm_call(x_MC, delta_MC, norm_C, delta_norm_C=None, *, eps, int
     R, RP = C // BOX, -(-C // 512) * 512 // BOX  # rows of 64, and as padded
     post = delta_norm_C is not None
     normed_dtype = x_MC.dtype if offset else jnp.result_type(norm_C.dtype, x_MC.dtype)
-    if interpret and common.MOSAIC_INTERPRET is None:
-        raise ValueError("the Mosaic GPU add_norm in interpret mode needs kernels.common.MOSAIC_INTERPRET "
-                         "(Mosaic GPU's interpreter's params)")
+    interpret_params = mosaic_interpret(interpret, "add_norm")
     # as the Triton kernel: the early-launch signal where all programs fit on the GPU at once
     trigger = (tuning.add_norm_trigger and pdl_trigger(interpret, tuning) and M <= runtime.multiprocessors())
     ins = [x_MC, delta_MC, norm_C] + [delta_norm_C] * post
@@ -154,7 +152,7 @@ def _mosaic_add_norm_call(x_MC, delta_MC, norm_C, delta_norm_C=None, *, eps, int
 
     @functools.partial(plgpu.kernel, out_type=out_type, grid=(M,), grid_names=("rows",),
                        scratch_types=dict(smem=smem, bar=plgpu.Barrier(num_arrivals=len(ins))),
-                       interpret=common.MOSAIC_INTERPRET if interpret else False)
+                       interpret=interpret_params)
     def kernel(*refs, smem, bar):
         in_refs, (sum_ref, normed_ref) = refs[:len(ins)], refs[len(ins):]
         row = jax.lax.axis_index("rows")

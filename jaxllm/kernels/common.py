@@ -30,6 +30,17 @@ except Exception as e:
 # JAX 0.10 names only under jax._src, which the package does not import: tests set them.
 MOSAIC_INTERPRET = None
 
+
+def mosaic_interpret(interpret: bool, family: str):
+    """A Mosaic GPU kernel's `interpret` argument: False on a GPU, else `MOSAIC_INTERPRET` (a
+    ValueError naming `family` where no test has set it)."""
+    if not interpret:
+        return False
+    if MOSAIC_INTERPRET is None:
+        raise ValueError(f"the Mosaic GPU {family} in interpret mode needs kernels.common.MOSAIC_INTERPRET "
+                         "(Mosaic GPU's interpreter's params)")
+    return MOSAIC_INTERPRET
+
 NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 

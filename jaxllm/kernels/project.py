@@ -321,11 +321,10 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
     channels, their weight rows (gate's and up's with `swiglu`) streamed through shared memory by
     TMA in [64, block] blocks (`project_mosaic_stages` in flight), each times the row's block in
     float32 registers, summed once at the end; the norm's inverse RMS and the epilogue as
-    `_project_kernel` applies them. In "interpret" mode it runs in Mosaic GPU's interpreter (`common.MOSAIC_INTERPRET`), without
-    the layout casts, which change no value and which the interpreter has no rule for."""
-    if interpret and common.MOSAIC_INTERPRET is None:
-        raise ValueError("the Mosaic GPU project in interpret mode needs kernels.common.MOSAIC_INTERPRET "
-                         "(Mosaic GPU's interpreter's params)")
+    `_project_kernel` applies them. In "interpret" mode it runs in Mosaic GPU's interpreter
+    (`common.MOSAIC_INTERPRET`), without the layout casts, which change no value and which the
+    interpreter has no rule for."""
+    interpret_params = common.mosaic_interpret(interpret, "project")
     C = x_MC.shape[1]
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     tiles = width // MOSAIC_ROWS
@@ -352,7 +351,7 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
 
     @functools.partial(
         plgpu.kernel, out_type=jax.ShapeDtypeStruct((width,), out_dtype), grid=(tiles,), grid_names=("n",),
-        interpret=common.MOSAIC_INTERPRET if interpret else False,
+        interpret=interpret_params,
         scratch_types=dict(vector_smem=[plgpu.SMEM((P,), v.dtype) for v in vectors],
                            tile_smem=[plgpu.SMEM((k, MOSAIC_ROWS), a.dtype) for a, k in zip(tile_args, tile_parts)],
                            out_smem=plgpu.SMEM((MOSAIC_ROWS,), out_dtype),
