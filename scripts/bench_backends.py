@@ -48,7 +48,10 @@ from memory as a step does, not from L2), the best of `--repeat` runs, over `--c
 
 JSON keys: kernel, form, width (C), rows (N: the matrix's, 1 for add_norm), batch (M: rows', 1
 for the others), chain, us_per_call, gb_per_s (project, rows: the matrix's bytes over
-us_per_call), max_abs_err (against xla, in bf16), device, jax_version, available, error.
+us_per_call), max_abs_err (against xla, in bf16), device, jax_version, available, error; with
+`--profile`, device_us_per_call: the device's kernel time a call in one traced run of the chain
+(`jaxllm.summarize`), so that us_per_call minus it is what a call costs between kernels (launch,
+waits), not in them.
 """
 
 from __future__ import annotations
@@ -427,15 +430,27 @@ KERNELS = {"add_norm": (FORMS, 100, add_norm_inputs, add_norm_chain),
            "rows": (ROWS_FORMS, 16, project_inputs, project_chain)}
 
 
-def measure(kernel: str, name: str, size: tuple[int, ...], chain: int, repeat: int) -> dict:
+def device_time(run, args) -> float:
+    """Seconds of kernel time on the device in one traced call of `run` (already compiled)."""
+    import tempfile
+
+    import jaxllm
+    with tempfile.TemporaryDirectory() as d:
+        with jaxllm.trace(d, perfetto=False):
+            jax.block_until_ready(run(*args))
+        return jaxllm.summarize(d, top=0).total_s
+
+
+def measure(kernel: str, name: str, size: tuple[int, ...], chain: int, repeat: int,
+            profile: bool = False) -> dict:
     """One JSON line: form `name` of `kernel` at `size` ((N, C), or rows' (M, N, C)), timed as
-    `chain` calls."""
+    `chain` calls; with `profile`, also the device's kernel time a call in a traced run."""
     forms, _, inputs, chained = KERNELS[kernel]
     N, C = size[-2:]
     line = dict(kernel=kernel, form=name, width=C, rows=N, batch=size[0] if len(size) == 3 else 1,
                 chain=chain, us_per_call=None, gb_per_s=None,
                 max_abs_err=None, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                available=True, error=None)
+                available=True, error=None, **({"device_us_per_call": None} if profile else {}))
     try:
         args, chain_args = inputs(size, chain)
         got, want = jax.jit(forms[name])(*args), jax.jit(forms["xla"])(*args)
@@ -452,6 +467,8 @@ def measure(kernel: str, name: str, size: tuple[int, ...], chain: int, repeat: i
         line["us_per_call"] = round(best / chain * 1e6, 3)
         if kernel != "add_norm":
             line["gb_per_s"] = round(N * C * 2 / (best / chain) / 1e9, 1)
+        if profile:
+            line["device_us_per_call"] = round(device_time(run, chain_args) / chain * 1e6, 3)
     except ImportError as e:
         line.update(available=False, error=f"{type(e).__name__}: {e}")
     except Exception as e:  # a form that fails to lower or compile on this JAX is a result too
@@ -486,6 +503,8 @@ def main(argv=None) -> int:
     p.add_argument("--chain", type=int, default=None,
                    help="calls in one timed program (default: add_norm 100, project 32, rows 16)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs, the best kept (default: 5)")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace one run of each chain: the device's kernel time a call")
     args = p.parse_args(argv)
     kernels = args.kernels.split(",")
     if unknown := [k for k in kernels if k not in KERNELS]:
@@ -510,9 +529,11 @@ def main(argv=None) -> int:
     for kernel in kernels:
         for size in sizes[kernel]:
             for name in [f for f in KERNELS[kernel][0] if forms is None or f in forms]:
-                line = measure(kernel, name, size, args.chain or KERNELS[kernel][1], args.repeat)
+                line = measure(kernel, name, size, args.chain or KERNELS[kernel][1], args.repeat,
+                               args.profile)
                 print(json.dumps(line), flush=True)
                 print(f"{kernel} {name:20s} {'x'.join(map(str, size))}: {line['us_per_call']} us a call"
+                      + (f", {line['device_us_per_call']} in kernels" if args.profile else "")
                       + (f" ({line['error']})" if line["error"] else ""), file=sys.stderr)
     return 0
 
