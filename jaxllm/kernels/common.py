@@ -41,6 +41,7 @@ def mosaic_interpret(interpret: bool, family: str):
                          "(Mosaic GPU's interpreter's params)")
     return MOSAIC_INTERPRET
 
+
 NEG = -1e30  # an empty softmax's running maximum: finite, so exp(m - m) never forms inf - inf
 
 

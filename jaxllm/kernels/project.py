@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from jaxllm.kernels import common
 from jaxllm.kernels import digits as D
-from jaxllm.kernels.common import (pl, plgpu, plt, NEG, launch_dependents, pdl_trigger, pow2, prefetch as _prefetch,
-                                   swiglu as _swiglu, to_f32 as _to_f32)
+from jaxllm.kernels.common import (pl, plgpu, plt, NEG, launch_dependents, mosaic_interpret, pdl_trigger, pow2,
+                                   prefetch as _prefetch, swiglu as _swiglu, to_f32 as _to_f32)
 from jaxllm.kernels.decode_attention import SplitHeads
 from jaxllm.kernels.digits import DOWN_DIGITS, DigitRow
 from jaxllm.kernels.tuning import KernelTuning, current
@@ -324,7 +324,7 @@ def _mosaic_project_call(x_MC, w_NC, norm_C, bias_N, residual_MN, *, eps, swiglu
     `_project_kernel` applies them. In "interpret" mode it runs in Mosaic GPU's interpreter
     (`common.MOSAIC_INTERPRET`), without the layout casts, which change no value and which the
     interpreter has no rule for."""
-    interpret_params = common.mosaic_interpret(interpret, "project")
+    interpret_params = mosaic_interpret(interpret, "project")
     C = x_MC.shape[1]
     width = w_NC.shape[1] if swiglu else w_NC.shape[0]
     tiles = width // MOSAIC_ROWS
